@@ -1,0 +1,159 @@
+"""Render every file the deploy writes to a host. `make render` and the deploy both call this."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from donorkit.fleet import REPO_ROOT, plugin_local_path
+from donorkit.pki import Pki
+
+TEMPLATES = REPO_ROOT / "templates"
+UNIT_DIR = "/etc/systemd/system"
+CADDYFILE = "/etc/caddy/Caddyfile"
+# The running vLLM process carries this variable; it differs from the unit's when a restart is due.
+DIGEST_VARIABLE = "UNCLOSEAI_STACK_DIGEST"
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    path: str
+    content: str
+    mode: str = "644"
+    user: str = "root"
+    group: str = "root"
+
+
+def systemd_arg(value: object) -> str:
+    """Quote one ExecStart word: JSON goes in single quotes (systemd strips bare double quotes)."""
+    text = str(value)
+    if text[:1] in "{[" or any(c in text for c in " \t\"\\"):
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return text
+
+
+def systemd_command(words: list[str]) -> str:
+    """ExecStart's value: one `--flag value` per continuation line, each word quoted as needed."""
+    lines: list[list[str]] = [[]]
+    for word in words:
+        if word.startswith("--"):
+            lines.append([])
+        lines[-1].append(systemd_arg(word))
+    return " \\\n    ".join(" ".join(line) for line in lines)
+
+
+def systemd_env(key: str, value: object) -> str:
+    """One Environment= assignment, quoted when the value needs it."""
+    text = f"{key}={value}"
+    return f'"{text}"' if any(c in text for c in " \t\"\\") else text
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["systemd_command"] = systemd_command
+    env.globals["systemd_env"] = systemd_env
+    return env
+
+
+def cuda_paths(data: dict) -> dict[str, str]:
+    """The CUDA part of a unit's environment; the venv's bin/ first (FlashInfer runs bare ninja)."""
+    cuda = data["cuda_home"]
+    return {
+        "CUDA_HOME": cuda,
+        "PATH": f"{data['venv_dir']}/bin:{cuda}/bin:{cuda}/nvvm/bin:/usr/bin:/bin",
+        "CPATH": f"{cuda}/include",
+        "LIBRARY_PATH": f"{cuda}/lib64",
+        "LD_LIBRARY_PATH": f"{cuda}/lib64",
+    }
+
+
+def unit_environment(data: dict, model: dict) -> dict[str, str]:
+    """Everything a model's unit sets with Environment=, in order, without the digest."""
+    return {**cuda_paths(data), **data["unit_environment"], **model["environment"]}
+
+
+def exec_start(data: dict, model: dict) -> list[str]:
+    return [data["vllm_executable"], "serve", model["checkpoint"],
+            "--host", "127.0.0.1", "--port", str(model["port"]),
+            "--max-model-len", str(model["max_model_len"]), *map(str, model["args"])]
+
+
+def _tree_digest(root: Path) -> str:
+    """Content hash of a local source tree (VCS metadata and caches left out)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        parts = set(path.relative_to(root).parts)
+        if path.is_file() and not parts & {".git", "__pycache__", ".pytest_cache"}:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def stack_spec(data: dict) -> dict:
+    """What a running vLLM depends on besides its unit: the pinned stack and the plugin."""
+    plugin = dict(data["vllm_exl3_plugin"])
+    if "path" in plugin and plugin_local_path(plugin).is_dir():
+        plugin["tree"] = _tree_digest(plugin_local_path(plugin))
+    return {
+        "vllm": data["vllm_version"], "torch": data["torch_version"],
+        "index": [data["card"]["pip_index_url"], *data["card"]["pip_extra_index_urls"]],
+        "cuda": data["cuda_version"], "arch": data["card"]["arch"],
+        "exllamav3": [data["exllamav3_git_url"], data["exllamav3_ref"]], "plugin": plugin,
+    }
+
+
+def unit_digest(data: dict, model: dict) -> str:
+    spec = {"stack": stack_spec(data), "environment": unit_environment(data, model),
+            "exec_start": exec_start(data, model), "user": data["service_user"],
+            "service": data["unit_service"]}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def render_unit(data: dict, model: dict) -> str:
+    environment = {**unit_environment(data, model), DIGEST_VARIABLE: unit_digest(data, model)}
+    return _environment().get_template("vllm.service.j2").render(
+        data, model=model, environment=environment, exec_start=exec_start(data, model))
+
+
+def tls_paths(data: dict) -> tuple[str, str]:
+    tls_dir, name = data["caddy_tls_dir"], data["donor_name"]
+    return f"{tls_dir}/{name}.crt", f"{tls_dir}/{name}.key"
+
+
+def render_caddyfile(data: dict) -> str:
+    cert, key = tls_paths(data)
+    return _environment().get_template("Caddyfile.j2").render(data, tls_cert=cert, tls_key=key)
+
+
+def pki_for(data: dict) -> Pki:
+    return Pki(REPO_ROOT / data["pki_dir"], data["pki_renew_days"])
+
+
+def render_host(data: dict) -> list[RenderedFile]:
+    """Every file the deploy writes for this host (units, Caddyfile, TLS pair)."""
+    files = [RenderedFile(f"{UNIT_DIR}/{m['unit']}", render_unit(data, m))
+             for m in data["models"].values()]
+    files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
+    cert_pem, key_pem = pki_for(data).server_cert(
+        data["donor_name"], [r["hostname"] for r in data["routes"]])
+    cert, key = tls_paths(data)
+    files.append(RenderedFile(cert, cert_pem))
+    files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
+    return files
+
+
+def write_tree(files: list[RenderedFile], out: Path) -> list[Path]:
+    """Lay rendered files out under `out` as on the box."""
+    written = []
+    for item in files:
+        target = out / item.path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(item.content)
+        target.chmod(int(item.mode, 8))
+        written.append(target)
+    return written
