@@ -72,7 +72,7 @@ def _check_fields(where: str, entry: Any, required: dict, optional: dict | None 
     if not isinstance(entry, dict):
         raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
     optional = optional or {}
-    for field, kind in required.items():
+    for field in required:
         if field not in entry:
             raise FleetError(f"{where}: field '{field}': missing")
     for field, value in entry.items():
@@ -150,8 +150,15 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}",
         routes=[{"hostname": h, "model": m} for h, m in sorted(donor["routes"].items())],
         models={m: dict(models[m], name=m, unit=f"vllm-{m}.service") for m in served},
+        # Units of the identities this box does not serve: removed, so a switch frees the GPU.
+        retired_units=[f"vllm-{m}.service" for m in sorted(models) if m not in served],
     )
     data["vllm_executable"] = data["vllm_executable"].format(venv_dir=data["venv_dir"])
+    # Boxes with the same key need the identical exllamav3 wheel.
+    data["exllamav3_stack_key"] = (
+        f"exllamav3-{data['exllamav3_version']}@{data['exllamav3_ref']} "
+        f"torch-{data['torch_version']}@{card['pip_index_url']} cuda-{cuda} "
+        f"arch-{card['arch']} {data['venv_python']}")
     if "ssh_key" in donor:
         data["ssh_key"] = str(Path(donor["ssh_key"]).expanduser())
     if donor["ssh_user"] != "root":

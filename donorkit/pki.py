@@ -21,7 +21,7 @@ SERVER_DAYS = 365
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
-from donorkit.fleet import REPO_ROOT, plugin_local_path
+from donorkit.fleet import REPO_ROOT
 from donorkit.pki import Pki
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
 CADDYFILE = "/etc/caddy/Caddyfile"
-# The running vLLM process carries this variable; it differs from the unit's when a restart is due.
-DIGEST_VARIABLE = "UNCLOSEAI_STACK_DIGEST"
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ def cuda_paths(data: dict) -> dict[str, str]:
 
 
 def unit_environment(data: dict, model: dict) -> dict[str, str]:
-    """Everything a model's unit sets with Environment=, in order, without the digest."""
+    """Everything a model's unit sets with Environment=, in order."""
     return {**cuda_paths(data), **data["unit_environment"], **model["environment"]}
 
 
@@ -84,40 +80,10 @@ def exec_start(data: dict, model: dict) -> list[str]:
             "--max-model-len", str(model["max_model_len"]), *map(str, model["args"])]
 
 
-def _tree_digest(root: Path) -> str:
-    """Content hash of a local source tree (VCS metadata and caches left out)."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        parts = set(path.relative_to(root).parts)
-        if path.is_file() and not parts & {".git", "__pycache__", ".pytest_cache"}:
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def stack_spec(data: dict) -> dict:
-    """What a running vLLM depends on besides its unit: the pinned stack and the plugin."""
-    plugin = dict(data["vllm_exl3_plugin"])
-    if "path" in plugin and plugin_local_path(plugin).is_dir():
-        plugin["tree"] = _tree_digest(plugin_local_path(plugin))
-    return {
-        "vllm": data["vllm_version"], "torch": data["torch_version"],
-        "index": [data["card"]["pip_index_url"], *data["card"]["pip_extra_index_urls"]],
-        "cuda": data["cuda_version"], "arch": data["card"]["arch"],
-        "exllamav3": [data["exllamav3_git_url"], data["exllamav3_ref"]], "plugin": plugin,
-    }
-
-
-def unit_digest(data: dict, model: dict) -> str:
-    spec = {"stack": stack_spec(data), "environment": unit_environment(data, model),
-            "exec_start": exec_start(data, model), "user": data["service_user"],
-            "service": data["unit_service"]}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def render_unit(data: dict, model: dict) -> str:
-    environment = {**unit_environment(data, model), DIGEST_VARIABLE: unit_digest(data, model)}
     return _environment().get_template("vllm.service.j2").render(
-        data, model=model, environment=environment, exec_start=exec_start(data, model))
+        data, model=model, environment=unit_environment(data, model),
+        exec_start=exec_start(data, model))
 
 
 def tls_paths(data: dict) -> tuple[str, str]:
@@ -138,12 +104,13 @@ def render_host(data: dict) -> list[RenderedFile]:
     """Every file the deploy writes for this host (units, Caddyfile, TLS pair)."""
     files = [RenderedFile(f"{UNIT_DIR}/{m['unit']}", render_unit(data, m))
              for m in data["models"].values()]
-    files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
     cert_pem, key_pem = pki_for(data).server_cert(
         data["donor_name"], [r["hostname"] for r in data["routes"]])
     cert, key = tls_paths(data)
+    # The TLS pair comes before the Caddyfile: validating the Caddyfile reads them.
     files.append(RenderedFile(cert, cert_pem))
     files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
+    files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
     return files
 
 

@@ -1,0 +1,34 @@
+# The front door. Every target sets up what it needs (the project venv from requirements.txt).
+#   make test                         unit tests + ruff (no hosts needed)
+#   make testbed                      local test hosts, full deploy over SSH, verification, teardown
+#   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
+#   make render HOST=name OUT=dir     every file the deploy would write to HOST, under OUT
+
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+
+.PHONY: venv test testbed verify render lint
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/pytest -q tests/unit
+
+testbed: venv
+	$(BIN)/python -m tests.testbed.e2e
+
+verify: venv
+	$(BIN)/pytest -q -n auto tests/verify $(if $(LIMIT),--limit $(LIMIT))
+
+render: venv
+	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make render HOST=<donor> OUT=<dir>" >&2; exit 2; }
+	$(BIN)/python -m donorkit.render_cli $(HOST) $(OUT)

@@ -1,0 +1,262 @@
+"""Custom pyinfra operations. Each yields no command when the host already matches, so a
+converged host reports zero changes, and each leaves nothing half-done when interrupted."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shlex
+import tarfile
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import (
+    FileUploadCommand,
+    OperationError,
+    OperationMeta,
+    StringCommand,
+    operation,
+)
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.files import File, Sha256File
+
+from donorkit.facts import (
+    CudaStack,
+    EditableInstall,
+    GitCheckout,
+    HostProfile,
+    UnitState,
+    digest_command,
+)
+
+APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
+       "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold")
+
+
+def _fail(message: str) -> None:
+    """Stop this host (only this one) with a message naming it."""
+    raise OperationError(f"{host.name}: {message}")
+
+
+@operation()
+def apt_install(packages: list[str]):
+    """Install the missing packages; refresh the lists only when something is missing."""
+    installed = host.get_fact(DebPackages) or {}
+    missing = [p for p in packages if p not in installed]
+    if not missing:
+        host.noop(f"installed: {' '.join(packages)}")
+        return
+    yield f"{APT} update -q && {APT} install -y -q {' '.join(map(shlex.quote, missing))}"
+
+
+@operation()
+def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
+                group: str = "root", validate: str | None = None,
+                pending_marker: str | None = None):
+    """Install `content` at `dest` via a staged copy: validated (`{path}` in `validate` names the
+    staged file) before it replaces the live one; `pending_marker` is touched before the swap so a
+    reload that was due survives a run that dies right after it."""
+    want = hashlib.sha256(content.encode()).hexdigest()
+    current = host.get_fact(File, path=dest)
+    if (current and host.get_fact(Sha256File, path=dest) == want
+            and f"{current['mode']}" == mode.lstrip("0")
+            and (current["user"], current["group"]) == (user, group)):
+        host.noop(f"{dest} is current")
+        return
+    staged = f"{dest}.uncloseai-new"
+    yield StringCommand("mkdir", "-p", str(Path(dest).parent))
+    yield FileUploadCommand(io.BytesIO(content.encode()), staged)
+    steps = [f"chown {user}:{group} {staged}", f"chmod {mode} {staged}"]
+    if validate:
+        steps.append(validate.format(path=staged))
+    if pending_marker:
+        steps.append(f"mkdir -p {Path(pending_marker).parent} && touch {pending_marker}")
+    steps.append(f"mv -f {staged} {dest}")
+    yield " && ".join(steps) + f" || {{ rc=$?; rm -f {staged}; exit $rc; }}"
+
+
+@operation()
+def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
+    """Refuse to go on when the toolkit has no nvcc, or an nvcc of another release."""
+    found = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir="/nonexistent")["nvcc"]
+    if found is None:
+        _fail(f"{cuda_home}/bin/nvcc is missing after installing {package}: "
+              "this toolkit cannot compile FlashInfer's JIT kernels or exllamav3")
+    if found != cuda_version:
+        _fail(f"{cuda_home}/bin/nvcc reports release {found}, the card profile wants "
+              f"{cuda_version}")
+    host.noop(f"nvcc {found} at {cuda_home}")
+    return
+    yield  # an operation is a generator
+
+
+@operation()
+def torch_matches_nvcc(cuda_home: str, venv_dir: str):
+    """PyTorch's extension builder refuses an nvcc whose major differs from torch's CUDA."""
+    stack = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)
+    if not stack["torch_cuda"]:
+        _fail(f"torch in {venv_dir} reports no CUDA version (a CPU-only build?)")
+    if not stack["nvcc"] or stack["nvcc"].split(".")[0] != stack["torch_cuda"].split(".")[0]:
+        _fail(f"torch in {venv_dir} is built for CUDA {stack['torch_cuda']} but "
+              f"{cuda_home}/bin/nvcc is {stack['nvcc']}: majors must match "
+              "(check the card profile's pip index)")
+    host.noop(f"torch CUDA {stack['torch_cuda']} matches nvcc {stack['nvcc']}")
+    return
+    yield
+
+
+@operation()
+def git_checkout(url: str, ref: str, dest: str):
+    """A clean checkout of `ref` (tag or commit) in `dest`, detached, cloned if absent."""
+    state = host.get_fact(GitCheckout, dest=dest, ref=ref)
+    if state["head"] and state["head"] == state["ref"] and not state["dirty"]:
+        host.noop(f"{dest} is at {ref}")
+        return
+    q_dest, q_url, q_ref = shlex.quote(dest), shlex.quote(url), shlex.quote(ref)
+    if not state["head"]:
+        # Clone next to the destination and move it in: a killed clone leaves no partial repo.
+        yield (f"rm -rf {q_dest}.clone && git clone -q {q_url} {q_dest}.clone && "
+               f"mv {q_dest}.clone {q_dest}")
+    yield (f"git -C {q_dest} fetch -q --tags {q_url} && "
+           f"git -C {q_dest} checkout -q --force --detach {q_ref}")
+
+
+def tree_archive(local_dir: Path) -> tuple[bytes, str]:
+    """A reproducible tar.gz of a local source tree and its content digest."""
+    buffer = io.BytesIO()
+    digest = hashlib.sha256()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(local_dir.rglob("*")):
+            rel = path.relative_to(local_dir)
+            if set(rel.parts) & {".git", "__pycache__", ".pytest_cache"} or rel.suffix == ".pyc":
+                continue
+            info = tar.gettarinfo(str(path), arcname=str(rel))
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            info.mtime = 0
+            if path.is_file():
+                data = path.read_bytes()
+                digest.update(str(rel).encode() + b"\0" + data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return buffer.getvalue(), digest.hexdigest()
+
+
+@operation()
+def source_tree(local_dir: str, dest: str):
+    """Ship a directory from the operator's machine; swapped in whole, stamped with its digest."""
+    archive, digest = tree_archive(Path(local_dir))
+    stamp = f"{dest}/.uncloseai-tree"
+    if host.get_fact(Sha256File, path=stamp) == hashlib.sha256(digest.encode()).hexdigest():
+        host.noop(f"{dest} matches {local_dir}")
+        return
+    tmp = f"{dest}.upload.tar.gz"
+    yield FileUploadCommand(io.BytesIO(archive), tmp)
+    q = shlex.quote(dest)
+    yield (f"rm -rf {q}.new && mkdir -p {q}.new && tar -xzf {shlex.quote(tmp)} -C {q}.new && "
+           f"printf %s {digest} > {q}.new/.uncloseai-tree && rm -rf {q}.old && "
+           f"{{ [ ! -e {q} ] || mv {q} {q}.old; }} && mv {q}.new {q} && rm -rf {q}.old {tmp}")
+
+
+@operation()
+def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMeta]):
+    """`pip install --no-deps -e` unless already installed editable from there and unchanged."""
+    if not any(op.did_change() for op in reinstall) and host.get_fact(
+            EditableInstall, venv_dir=venv_dir, source_dir=source_dir):
+        host.noop(f"{source_dir} is installed editable")
+        return
+    yield f"{venv_dir}/bin/pip install -q --no-deps -e {shlex.quote(source_dir)}"
+
+
+@operation()
+def exllamav3_wheel(script: str, stamp: str, stack_key: str, env: dict[str, str]):
+    """Build and install the exllamav3 wheel unless the stamp says this stack has it already."""
+    current = host.get_fact(Sha256File, path=stamp)
+    if current == hashlib.sha256(stack_key.encode()).hexdigest():
+        host.noop(f"exllamav3 built for {stack_key}")
+        return
+    assignments = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
+    yield (f"env {assignments} STAMP={shlex.quote(stamp)} STACK_KEY={shlex.quote(stack_key)} "
+           f"sh {script}")
+
+
+@operation()
+def vllm_service(unit: str, depends_on: list[str], record: str):
+    """Enabled, running, and running what is on disk now. The digest of its dependencies
+    (unit file, venv's distributions, plugin, exllamav3) is recorded at each start; a
+    mismatch means a restart is due, including one that a failed run left undone."""
+    state = host.get_fact(UnitState, unit=unit, depends_on=depends_on, record=record)
+    if state.get("NeedDaemonReload") == "yes" or state.get("LoadState") != "loaded":
+        yield "systemctl daemon-reload"
+    if state.get("UnitFileState") != "enabled":
+        yield f"systemctl enable -q {unit}"
+    running = state.get("ActiveState") in ("active", "activating", "reloading")
+    if running and state.get("Recorded") == state.get("OnDisk"):
+        host.noop(f"{unit} is running what is installed")
+        return
+    # Digest taken before the restart: a change landing during the restart stays detectable.
+    yield (f"mkdir -p {Path(record).parent} && {digest_command(depends_on)} > {record}.tmp && "
+           f"systemctl restart {unit} && mv {record}.tmp {record}")
+
+
+@operation()
+def reloaded_service(unit: str, pending_marker: str):
+    """Enabled and running; reloaded when a config swap left the marker behind."""
+    state = host.get_fact(UnitState, unit=unit, depends_on=[], record="/dev/null")
+    pending = host.get_fact(File, path=pending_marker)
+    if state.get("UnitFileState") != "enabled":
+        yield f"systemctl enable {unit}"
+    if state.get("ActiveState") != "active":
+        yield f"systemctl restart {unit} && rm -f {pending_marker}"
+    elif pending:
+        yield f"systemctl reload-or-restart {unit} && rm -f {pending_marker}"
+    else:
+        host.noop(f"{unit} is running its current config")
+
+
+@operation()
+def host_matches_inventory(supported_distros: list[str], card: dict, require_nvidia_smi: bool):
+    """Refuse a box whose distro or GPU is not what the inventory says, before touching it."""
+    profile = host.get_fact(HostProfile)
+    if profile["distro"] not in supported_distros:
+        _fail(f"distro {profile['distro'] or 'unknown'} is not supported "
+              f"(supported: {', '.join(supported_distros)})")
+    gpus = profile["gpus"]
+    if gpus is None:
+        if require_nvidia_smi:
+            _fail("nvidia-smi not found: install the NVIDIA driver first")
+        host.noop("no nvidia-smi here (require_nvidia_smi is off): GPU not checked")
+        return
+    if profile["nvidia_smi_error"] or not gpus:
+        _fail("nvidia-smi is present but lists no GPU (driver not loaded?)")
+    wanted = (card["gpu_name"], card["arch"])
+    if not any((g.get("name"), g.get("compute_cap")) == wanted for g in gpus):
+        found = "; ".join(f"{g.get('name')} (compute {g.get('compute_cap')})" for g in gpus)
+        _fail(f"inventory says card '{card['name']}' ({wanted[0]}, compute {wanted[1]}) "
+              f"but nvidia-smi reports {found}")
+    host.noop(f"{card['name']} present, distro {profile['distro']}")
+    return
+    yield
+
+
+@operation()
+def deb_from_url(url: str, provides: str):
+    """Install a .deb fetched from `url` unless the file it provides is already there."""
+    if host.get_fact(File, path=provides):
+        host.noop(f"{provides} present")
+        return
+    tmp = f"/tmp/uncloseai-{hashlib.sha256(url.encode()).hexdigest()[:12]}.deb"
+    yield (f"curl -fsSL --retry 3 -o {tmp} {shlex.quote(url)} && "
+           f"{APT} install -y -q {tmp}; rc=$?; rm -f {tmp}; exit $rc")
+
+
+@operation()
+def retired_unit(unit: str, unit_path: str):
+    """Stop, disable and remove the unit of a model identity this box no longer serves."""
+    state = host.get_fact(UnitState, unit=unit, depends_on=[], record="/dev/null")
+    if not host.get_fact(File, path=unit_path) and state.get("LoadState") != "loaded":
+        host.noop(f"{unit} is not installed")
+        return
+    yield (f"systemctl disable -q --now {unit} || true; rm -f {unit_path} && "
+           "systemctl daemon-reload")

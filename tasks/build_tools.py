@@ -1,0 +1,7 @@
+"""Build tools: ninja (FlashInfer's JIT runs a bare `ninja`), a C++ toolchain, git, venv support."""
+
+from pyinfra import host
+
+from donorkit.operations import apt_install
+
+apt_install(name="Install build tools", packages=host.data.build_packages)

@@ -1,0 +1,47 @@
+"""GPU-side Caddy: one TLS site per public hostname routed here, each proxying to its own model's
+loopback port. A new config is validated (as the caddy user) before it replaces the live one."""
+
+from pyinfra import host
+from pyinfra.operations import files
+
+from donorkit.operations import apt_install, config_file, reloaded_service
+from donorkit.render import CADDYFILE, render_host
+
+reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
+
+if host.data.caddy_source == "upstream":
+    apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"])
+    keyring = "/usr/share/keyrings/caddy-stable-archive-keyring.gpg"
+    files.download(name="Fetch Caddy's repository key", src=host.data.caddy_upstream_key_url,
+                   dest=f"{keyring}.asc")
+    config_file(
+        name="Point apt at Caddy's repository",
+        content=(f"deb [signed-by={keyring}.asc] {host.data.caddy_upstream_repo_url} "
+                 "any-version main\n"),
+        dest="/etc/apt/sources.list.d/caddy-stable.list",
+    )
+apt_install(name="Install Caddy", packages=["caddy"])
+
+files.directory(name="Create the TLS directory", path=host.data.caddy_tls_dir, user="root",
+                group="caddy", mode="750")
+# `caddy validate` opens the log file: as root it would create it root-owned, locking caddy out.
+files.file(name="Create the access log", path=host.data.caddy_access_log, user="caddy",
+           group="caddy", mode="640", create_remote_dir=True)
+
+for rendered in render_host(host.data.dict()):
+    if not rendered.path.startswith(("/etc/caddy/",)):
+        continue
+    is_caddyfile = rendered.path == CADDYFILE
+    config_file(
+        name=f"Install {rendered.path}",
+        content=rendered.content,
+        dest=rendered.path,
+        mode=rendered.mode,
+        user=rendered.user,
+        group=rendered.group,
+        validate=("runuser -u caddy -- caddy validate --adapter caddyfile --config {path} "
+                  ">/dev/null" if is_caddyfile else None),
+        pending_marker=reload_marker,
+    )
+reloaded_service(name="Run Caddy with the current config", unit="caddy",
+                 pending_marker=reload_marker)

@@ -1,0 +1,31 @@
+"""systemd: one vLLM unit per model identity this box serves, restarted only when what it runs
+changed (unit, venv distributions, plugin, exllamav3), including a restart a failed run left due."""
+
+from pyinfra import host
+
+from donorkit.operations import config_file, retired_unit, vllm_service
+from donorkit.render import UNIT_DIR, render_unit
+
+install_root = host.data.install_root
+site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
+shared_dependencies = [
+    f"{site_packages}/*.dist-info",
+    f"{install_root}/src/vllm-exl3/.uncloseai-tree",
+    f"{install_root}/src/vllm-exl3/.git/HEAD",
+    f"{install_root}/state/exllamav3.stack",
+]
+
+for model in host.data.models.values():
+    unit_path = f"{UNIT_DIR}/{model['unit']}"
+    config_file(name=f"Install {model['unit']}", content=render_unit(host.data.dict(), model),
+                dest=unit_path)
+    vllm_service(
+        name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
+        unit=model["unit"],
+        depends_on=[unit_path, *shared_dependencies],
+        record=f"{install_root}/state/{model['unit']}.started",
+    )
+
+for unit in host.data.retired_units:
+    retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
+                 unit_path=f"{UNIT_DIR}/{unit}")

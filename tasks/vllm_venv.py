@@ -1,0 +1,25 @@
+"""The vLLM venv: pinned vllm and torch from the card profile's wheel variant, root-owned, and
+a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to build otherwise)."""
+
+from pyinfra import host
+from pyinfra.operations import pip
+
+from donorkit.operations import torch_matches_nvcc
+
+venv = host.data.venv_dir
+card = host.data.card
+index_args = " ".join([f"--index-url {card['pip_index_url']}",
+                       *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
+
+pip.venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
+pip.packages(
+    name=f"Install vllm {host.data.vllm_version} and torch {host.data.torch_version}",
+    packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}"],
+    pip=f"{venv}/bin/pip",
+    extra_install_args=index_args,
+)
+torch_matches_nvcc(
+    name="Check torch's CUDA major against nvcc's",
+    cuda_home=host.data.cuda_home,
+    venv_dir=venv,
+)
