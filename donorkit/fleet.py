@@ -72,9 +72,6 @@ def _check_fields(where: str, entry: Any, required: dict, optional: dict | None 
     if not isinstance(entry, dict):
         raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
     optional = optional or {}
-    for field in required:
-        if field not in entry:
-            raise FleetError(f"{where}: field '{field}': missing")
     for field, value in entry.items():
         kind = required.get(field) or optional.get(field)
         if kind is None:
@@ -83,6 +80,9 @@ def _check_fields(where: str, entry: Any, required: dict, optional: dict | None 
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise FleetError(f"{where}: field '{field}': must be {kind.__name__}, "
                              f"got {type(value).__name__} {value!r}")
+    for field in required:
+        if field not in entry:
+            raise FleetError(f"{where}: field '{field}': missing")
 
 
 def _check_profiles(path: Path, defaults: dict) -> None:
@@ -191,6 +191,8 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
             raise FleetError(f"{where}: field 'ssh_host': {address[0]}:{address[1]} is already "
                              f"used by donor '{seen_addresses[address]}'")
         seen_addresses[address] = name
-        _check_plugin_source(where, data["vllm_exl3_plugin"], require_local_sources)
         fleet[name] = data
+    for name, data in fleet.items():
+        _check_plugin_source(f"{donors_path}: donor '{name}'", data["vllm_exl3_plugin"],
+                             require_local_sources)
     return fleet

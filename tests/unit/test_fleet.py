@@ -1,0 +1,124 @@
+"""The data model: the shipped fleet loads, and each user mistake gives one clear message that
+names the file, the entry and the field, through the same entry point pyinfra runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from donorkit.fleet import DONORS_FILE, FleetError, load_fleet
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GOOD = textwrap.dedent("""\
+    donors:
+      box-a:
+        ssh_host: 192.0.2.10
+        ssh_user: root
+        card: rtx4090
+        routes:
+          hermes.ai.unturf.com: qwen
+      box-b:
+        ssh_host: 192.0.2.11
+        ssh_user: ubuntu
+        card: rtx3090
+        routes:
+          qwen.ai.unturf.com: hermes
+""")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "donors.yml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_fleet_loads_with_the_seed_boxes() -> None:
+    fleet = load_fleet(DONORS_FILE)
+    assert sorted(fleet) == ["hermes-4090", "qwen-3090"]
+    hermes, qwen = fleet["hermes-4090"], fleet["qwen-3090"]
+    assert (hermes["cuda_home"], hermes["cuda_package"]) == ("/usr/local/cuda-13.3",
+                                                             "cuda-toolkit-13-3")
+    assert (qwen["cuda_home"], qwen["cuda_package"]) == ("/usr/local/cuda-12.8",
+                                                         "cuda-toolkit-12-8")
+    assert hermes["card"]["arch"] == "8.9" and qwen["card"]["arch"] == "8.6"
+    for box in (hermes, qwen):
+        assert box["models"]["qwen"]["checkpoint"] == "turboderp/Qwen3.8-27B-exl3"
+        assert box["models"]["qwen"]["port"] == 18888
+        assert box["retired_units"] == ["vllm-hermes.service"]
+
+
+def test_switching_a_box_to_hermes_is_one_line(tmp_path: Path) -> None:
+    fleet = load_fleet(write(tmp_path, GOOD))
+    assert list(fleet["box-b"]["models"]) == ["hermes"]
+    assert fleet["box-b"]["models"]["hermes"]["port"] == 18889
+    assert fleet["box-b"]["retired_units"] == ["vllm-qwen.service"]
+    assert fleet["box-b"]["_sudo"] is True and "_sudo" not in fleet["box-a"]
+
+
+BAD_CASES = {
+    "unknown card": (GOOD.replace("card: rtx3090", "card: rtx5090"),
+                     "donor 'box-b': field 'card': unknown card 'rtx5090'"),
+    "unknown model": (GOOD.replace("qwen.ai.unturf.com: hermes", "qwen.ai.unturf.com: llama"),
+                      "donor 'box-b': field 'routes.qwen.ai.unturf.com': unknown model identity "
+                      "'llama'"),
+    "missing field": (GOOD.replace("    ssh_user: ubuntu\n", ""),
+                      "donor 'box-b': field 'ssh_user': missing"),
+    "mistyped field": (GOOD.replace("ssh_user: ubuntu", "ssh_user: ubuntu\n    ssh_port: '22'"),
+                       "donor 'box-b': field 'ssh_port': must be int, got str '22'"),
+    "misspelt field": (GOOD.replace("card: rtx3090", "crad: rtx3090"),
+                       "donor 'box-b': field 'crad': unknown field"),
+    "duplicate address": (GOOD.replace("192.0.2.11", "192.0.2.10"),
+                          "donor 'box-b': field 'ssh_host': 192.0.2.10:22 is already used by "
+                          "donor 'box-a'"),
+    "malformed yaml": (GOOD.replace("routes:\n      qwen", "routes: [\n      qwen"),
+                       "malformed YAML (line"),
+    "duplicate donor name": (GOOD.replace("box-b:", "box-a:"), "duplicate key 'box-a'"),
+    "bad hostname": (GOOD.replace("qwen.ai.unturf.com:", "'qwen ai':"),
+                     "field 'routes': 'qwen ai' is not a DNS hostname"),
+    "unknown override": (GOOD.replace("card: rtx3090", "card: rtx3090\n    overrides: {vram: 1}"),
+                         "field 'overrides.vram': not a key of defaults.yml"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_each_mistake_names_file_entry_and_field(tmp_path: Path, case: str) -> None:
+    text, message = BAD_CASES[case]
+    path = write(tmp_path, text)
+    with pytest.raises(FleetError) as caught:
+        load_fleet(path)
+    assert str(caught.value).startswith(str(path))
+    assert message in str(caught.value)
+
+
+def test_missing_local_plugin_is_refused_when_deploying(tmp_path: Path) -> None:
+    text = GOOD + "overrides:\n  vllm_exl3_plugin: {path: /nonexistent/vllm-exl3}\n"
+    path = write(tmp_path, text)
+    load_fleet(path)  # rendering and verification do not need the plugin source
+    with pytest.raises(FleetError, match="local path /nonexistent/vllm-exl3 does not exist"):
+        load_fleet(path, require_local_sources=True)
+
+
+def test_pyinfra_entry_point_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace("card: rtx3090", "card: rtx5090"))
+    env = {"DONORS_FILE": str(path), "PATH": str(Path(sys.executable).parent)}
+    result = subprocess.run([str(Path(sys.executable).parent / "pyinfra"), "inventory/gpus.py",
+                             "debug-inventory"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    assert f"inventory error: {path}: donor 'box-b': field 'card'" in result.stderr
+
+
+def test_pyinfra_inventory_groups_by_card(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD + "overrides:\n  vllm_exl3_plugin: {path: tests}\n")
+    env = {"DONORS_FILE": str(path), "PATH": str(Path(sys.executable).parent)}
+    result = subprocess.run([str(Path(sys.executable).parent / "pyinfra"), "inventory/gpus.py",
+                             "debug-inventory"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert "box-a" in output and "rtx3090" in output

