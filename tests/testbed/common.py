@@ -1,0 +1,95 @@
+"""Paths, command running and phase timing shared by the testbed modules."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Everything the testbed makes lives here (git-ignored), so a `rm -rf .testbed` is a full reset.
+WORK = REPO_ROOT / ".testbed"
+STANDINS = Path(__file__).resolve().parent / "standins"
+APT_OPTS = ["-o", "DPkg::Lock::Timeout=600"]
+
+
+def run(cmd: Sequence[str | os.PathLike], check: bool = True, quiet: bool = False,
+        **kw) -> subprocess.CompletedProcess:
+    """Run a command; on failure show its output (a testbed failure must say why)."""
+    args = [str(c) for c in cmd]
+    proc = subprocess.run(args, text=True, capture_output=True, **kw)
+    if check and proc.returncode != 0:
+        msg = f"command failed ({proc.returncode}): {' '.join(args)}\n{proc.stdout}{proc.stderr}"
+        raise RuntimeError(msg)
+    if not quiet and proc.returncode != 0:
+        log(f"(ignored rc={proc.returncode}) {' '.join(args)}: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+def log(msg: str) -> None:
+    print(f"[testbed] {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def phase(name: str, times: dict[str, float] | None = None) -> Iterator[None]:
+    """Print (and record) the wall time of one phase: the numbers the brief asks to report."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - start
+        if times is not None:
+            times[name] = took
+        log(f"phase {name}: {took:.1f} s")
+
+
+def sha256_of(*parts: bytes | str | Path) -> str:
+    """Hash of strings, bytes and file contents: the cache keys of built artefacts."""
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, Path):
+            h.update(p.read_bytes())
+        elif isinstance(p, str):
+            h.update(p.encode())
+        else:
+            h.update(p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def apt_install_missing(packages: dict[str, str]) -> None:
+    """Install {package: command it provides} where the command is missing (idempotent)."""
+    missing = [pkg for pkg, cmd in packages.items() if not _have(cmd)]
+    if not missing:
+        return
+    log(f"apt-get install {' '.join(missing)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", *APT_OPTS, "install", "-y", *missing]
+    if run(install, check=False, quiet=True, env=env).returncode:  # stale lists: update, retry
+        run(["apt-get", *APT_OPTS, "update"], env=env)
+        run(install, env=env)
+
+
+def _have(cmd: str) -> bool:
+    return any((Path(d) / cmd).exists() for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"))
+
+
+def find_pids(match: Callable[[list[str]], bool]) -> list[int]:
+    """Pids whose command line matches (exact-path matches only, so only the testbed's own)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            raw = (proc / "cmdline").read_bytes()
+            argv = [a.decode(errors="replace") for a in raw.split(b"\0")]
+        except OSError:
+            continue
+        if match(argv):
+            found.append(int(proc.name))
+    return found

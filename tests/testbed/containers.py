@@ -1,0 +1,134 @@
+"""One test host = an overlay of the base rootfs booted by systemd-nspawn in its own namespace."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from .common import WORK, find_pids, log, run
+from .network import netns_pids
+from .rootfs import BASE
+
+HOSTS_DIR = WORK / "hosts"
+PIP_CACHE = WORK / "pip-cache"
+LOGS = WORK / "logs"
+
+
+def host_dir(name: str) -> Path:
+    return HOSTS_DIR / name
+
+
+def prepare_root(name: str, pubkey: str) -> Path:
+    """Overlay the base: writes land in the host's upper dir: instant start, clean base."""
+    d = host_dir(name)
+    root = d / "root"
+    for sub in ("upper", "work", "root"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    opts = f"lowerdir={BASE},upperdir={d / 'upper'},workdir={d / 'work'}"
+    run(["mount", "-t", "overlay", "overlay", "-o", opts, root])
+    _personalize(root, name, pubkey)
+    return root
+
+
+def _personalize(root: Path, name: str, pubkey: str) -> None:
+    """Identity of one host: hostname, machine id, fresh host keys, the run's root key."""
+    (root / "etc/hostname").write_text(f"{name}\n")
+    (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {name}\n::1 localhost\n")
+    (root / "etc/machine-id").write_text(uuid.uuid4().hex + "\n")
+    for key in (root / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    run(["ssh-keygen", "-q", "-A", "-f", root])
+    ssh = root / "root/.ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    (ssh / "authorized_keys").write_text(pubkey)
+    (ssh / "authorized_keys").chmod(0o600)
+
+
+def boot(name: str, ns: str) -> subprocess.Popen:
+    """Start the container detached (own session): `up` from the CLI returns while hosts run on."""
+    PIP_CACHE.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit",
+           f"--network-namespace-path=/run/netns/{ns}", f"--machine={name}",
+           f"--directory={host_dir(name) / 'root'}", f"--bind={PIP_CACHE}:/root/.cache/pip",
+           "--resolv-conf=off", "--link-journal=no", "--console=read-only"]
+    out = open(LOGS / f"{name}.console.log", "wb")
+    # PID 1 of this machine is not systemd: --register=no --keep-unit keep nspawn off machined/dbus.
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def is_ours(pid: int, name: str) -> bool:
+    """True if pid is still the nspawn of host `name` (guards against a recycled pid)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmd) and cmd[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in cmd
+
+
+def stop(name: str, pid: int | None, ns: str, timeout: float = 15.0) -> None:
+    """Orderly halt (SIGTERM makes nspawn send the container's PID 1 its halt signal), then kill."""
+    if pid and is_ours(pid, name):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and is_ours(pid, name):
+            _reap(pid)
+            time.sleep(0.1)
+    # Whatever still lives in the host's namespace is the container's: kill it, then nspawn.
+    leftovers = netns_pids(ns)
+    if leftovers:
+        log(f"{name}: killing {len(leftovers)} process(es) left in {ns}")
+    for p in leftovers:
+        _kill(p)
+    if pid and is_ours(pid, name):
+        log(f"{name}: nspawn {pid} did not exit in {timeout:.0f} s, killing it")
+        _kill(pid)
+        time.sleep(0.2)
+    if pid:
+        _reap(pid)
+
+
+def kill_strays() -> None:
+    """nspawns of testbed hosts that no state file names (a crashed run): kill them."""
+    prefix = f"--directory={HOSTS_DIR}/"
+    for pid in find_pids(lambda argv: argv[0].endswith("systemd-nspawn")
+                         and any(a.startswith(prefix) for a in argv)):
+        log(f"killing stray nspawn {pid}")
+        _kill(pid)
+        _reap(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit of an nspawn this process started (no zombie); ignore others'."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def remove_root(name: str) -> None:
+    """Unmount the overlay and delete the host's files; --one-file-system never follows a mount."""
+    d = host_dir(name)
+    root = d / "root"
+    if os.path.ismount(root):
+        run(["umount", root], check=False)
+    if os.path.ismount(root):
+        run(["umount", "-l", root], check=False)
+    if d.exists() and not os.path.ismount(root):
+        run(["rm", "-rf", "--one-file-system", d], check=False)
+
+
+def all_host_dirs() -> list[str]:
+    return sorted(p.name for p in HOSTS_DIR.iterdir()) if HOSTS_DIR.is_dir() else []

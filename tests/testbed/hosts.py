@@ -1,0 +1,251 @@
+"""Local test hosts: `python -m tests.testbed.hosts up|down|status` (from the repo root, as root).
+
+Each host is a Debian 12 systemd-nspawn container (real systemd, sshd, apt, pip) in its own network
+namespace, on the bridge ucbr0 (10.213.0.1/24) with NAT out to the package mirrors. Stand-ins for
+NVIDIA's CUDA repo and for exllamav3's git repo are served from 10.213.0.1:8089. From a test:
+
+    with testbed([("tb-4090", "10.213.0.11")]) as hosts:
+        ssh(hosts[0], "systemctl is-system-running")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+
+from . import containers, cuda_standin, network, rootfs, www
+from .common import WORK, apt_install_missing, log, phase, run
+
+DEFAULT_HOSTS: list[tuple[str, str]] = [("tb-4090", "10.213.0.11"), ("tb-3090", "10.213.0.12")]
+STATE = WORK / "state.json"
+SSH_DIR = WORK / "ssh"
+SSH_KEY = SSH_DIR / "id_ed25519"
+KNOWN_HOSTS = WORK / "known_hosts"
+READY_TIMEOUT = 180.0
+# Debian package -> a command it provides; installed only where the command is missing.
+TOOLS = {"debootstrap": "debootstrap", "systemd-container": "systemd-nspawn", "nftables": "nft",
+         "iproute2": "ip", "dpkg-dev": "dpkg-scanpackages", "apt-utils": "apt-ftparchive",
+         "gnupg": "gpg", "git": "git", "openssh-client": "ssh-keyscan", "g++": "g++"}
+
+
+@dataclass
+class Host:
+    """A running test host, as a test needs it."""
+
+    name: str
+    ip: str
+    netns: str
+    pid: int | None = None  # the systemd-nspawn process on this machine
+
+
+def ssh_command(host: Host | str) -> list[str]:
+    """The ssh invocation for a host (root, the run's key, the run's known_hosts, no prompts)."""
+    ip = host.ip if isinstance(host, Host) else host
+    return ["ssh", "-i", str(SSH_KEY), "-o", f"UserKnownHostsFile={KNOWN_HOSTS}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
+            "-o", "ConnectTimeout=5", f"root@{ip}"]
+
+
+def ssh(host: Host | str, command: str, check: bool = True,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run a shell command on a host as root; returns the completed process (text)."""
+    return run([*ssh_command(host), command], check=check, quiet=True, timeout=timeout)
+
+
+def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
+       times: dict[str, float] | None = None) -> list[Host]:
+    """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
+    times = {} if times is None else times
+    down()
+    apt_install_missing(TOOLS)
+    with phase("rootfs", times):
+        rootfs.ensure_base()
+    with phase("repo build", times):
+        cuda_standin.build_repo(www.WWW)
+        www.build_git_repo(www.WWW)
+    with phase("hosts up", times):
+        started = _start(hosts)
+    for h in started:
+        print(f"{h.name}\t{h.ip}")
+    return started
+
+
+def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
+    state: dict = {"ip_forward": None, "http_pid": None, "hosts": []}
+    network.bridge_up()
+    _save(state)  # from here on, whatever exists is recorded before the next step can fail
+    state["ip_forward"] = network.nat_up()
+    _save(state)
+    state["http_pid"] = www.start_http(www.WWW)
+    _save(state)
+    pubkey = _new_ssh_key()
+    started = []
+    for name, ip in hosts:
+        host = Host(name, ip, network.netns_name(name))
+        state["hosts"].append(asdict(host))
+        _save(state)
+        network.host_net_up(name, ip)
+        containers.prepare_root(name, pubkey)
+        host.pid = containers.boot(name, host.netns).pid
+        state["hosts"][-1] = asdict(host)
+        _save(state)
+        started.append(host)
+    _wait_ready(started)
+    return started
+
+
+def _new_ssh_key() -> str:
+    """A fresh root key per run (nothing of an earlier run can log in)."""
+    SSH_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for f in (SSH_KEY, SSH_KEY.with_suffix(".pub")):
+        f.unlink(missing_ok=True)
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "testbed", "-f", SSH_KEY])
+    return SSH_KEY.with_suffix(".pub").read_text()
+
+
+def _wait_ready(hosts: list[Host]) -> None:
+    """known_hosts from each sshd once it answers, then systemd must reach running/degraded."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    lines = [_keyscan(h, deadline) for h in hosts]
+    KNOWN_HOSTS.write_text("".join(lines))
+    for h in hosts:
+        left = max(5.0, deadline - time.monotonic())
+        state = ssh(h, "systemctl is-system-running --wait", check=False, timeout=left)
+        if state.stdout.strip() not in ("running", "degraded"):
+            failed = ssh(h, "systemctl --failed --no-legend", check=False).stdout
+            raise RuntimeError(f"{h.name}: systemd is {state.stdout.strip()!r}; failed: {failed}")
+        log(f"{h.name} ({h.ip}): systemd {state.stdout.strip()}, sshd answers")
+
+
+def _keyscan(host: Host, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        if host.pid and not containers.is_ours(host.pid, host.name):
+            raise RuntimeError(f"{host.name}: nspawn exited; see {containers.LOGS}")
+        out = run(["ssh-keyscan", "-T", "2", host.ip], check=False, quiet=True).stdout
+        if out.strip():
+            return out
+        time.sleep(0.3)
+    raise RuntimeError(f"{host.name}: sshd did not answer within {READY_TIMEOUT:.0f} s")
+
+
+def down(times: dict[str, float] | None = None) -> None:
+    """Remove everything `up` made; idempotent, and every step runs even when one fails."""
+    state = _load()
+    errors: list[str] = []
+    with phase("teardown", times):
+        names = {h["name"]: h.get("pid") for h in state.get("hosts", [])}
+        for ns in network.our_netns():
+            names.setdefault(ns[len(network.NETNS_PREFIX):], None)
+        for name in containers.all_host_dirs():
+            names.setdefault(name, None)
+        for name, pid in names.items():
+            _step(errors, f"stop {name}", containers.stop, name, pid, network.netns_name(name))
+        _step(errors, "stop nspawn leftovers", containers.kill_strays)
+        _step(errors, "stop http.server", www.stop_http, state.get("http_pid"))
+        _step(errors, "network", network.teardown, state.get("ip_forward"))
+        for name in containers.all_host_dirs():
+            _step(errors, f"remove {name}", containers.remove_root, name)
+        for f in (STATE, KNOWN_HOSTS, SSH_KEY, SSH_KEY.with_suffix(".pub")):
+            f.unlink(missing_ok=True)
+    if errors:
+        raise RuntimeError("teardown incomplete:\n" + "\n".join(errors))
+
+
+def _step(errors: list[str], what: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001  (teardown goes on; the errors are raised at the end)
+        errors.append(f"{what}: {exc}")
+        log(f"teardown step failed: {what}: {exc}")
+
+
+def status() -> list[dict]:
+    """What is up now: per host, whether nspawn runs and what systemd says over ssh."""
+    state = _load()
+    report = []
+    for h in state.get("hosts", []):
+        alive = bool(h.get("pid")) and containers.is_ours(h["pid"], h["name"])
+        said = ssh(h["ip"], "systemctl is-system-running", check=False, timeout=15).stdout.strip()
+        report.append({**h, "nspawn_running": alive, "systemd": said or "unreachable"})
+    return report
+
+
+@contextmanager
+def testbed(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
+            times: dict[str, float] | None = None) -> Iterator[list[Host]]:
+    """Hosts up for the block, torn down after it (also on error, Ctrl-C or SIGTERM)."""
+    restore = _sigterm_raises()
+    try:
+        yield up(hosts, times)
+    finally:
+        try:
+            down(times)
+        finally:
+            restore()
+
+
+def _sigterm_raises():
+    """Make SIGTERM unwind like Ctrl-C so `finally: down()` runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+def _save(state: dict) -> None:
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = STATE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(STATE)
+
+
+def _load() -> dict:
+    with suppress(FileNotFoundError, json.JSONDecodeError):
+        return json.loads(STATE.read_text())
+    return {}
+
+
+def _parse_hosts(specs: list[str]) -> list[tuple[str, str]]:
+    return [tuple(s.split("=", 1)) for s in specs] if specs else list(DEFAULT_HOSTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.testbed.hosts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("hosts", nargs="*", metavar="NAME=IP",
+                        help="hosts for `up` (default: tb-4090=10.213.0.11 tb-3090=10.213.0.12)")
+    args = parser.parse_args(argv)
+    times: dict[str, float] = {}
+    if args.action == "up":
+        restore = _sigterm_raises()
+        try:
+            up(_parse_hosts(args.hosts), times)
+        except BaseException:
+            log("up failed: tearing down")
+            down()
+            raise
+        finally:
+            restore()
+        log("times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+    elif args.action == "down":
+        down(times)
+    else:
+        print(json.dumps(status(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The testbed's own network: a bridge on this machine, one namespace + veth per host, NAT out.
+
+Every name here is the testbed's own (prefix `uc`), so teardown can find and delete exactly what
+the testbed made even when its state file is lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import log, run
+
+BRIDGE = "ucbr0"
+GATEWAY = "10.213.0.1"
+SUBNET = "10.213.0.0/24"
+NFT_TABLE = "uncloseai_testbed"
+NETNS_PREFIX = "ucb-"
+VETH_PREFIX = "ucv"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+def netns_name(host: str) -> str:
+    return f"{NETNS_PREFIX}{host}"
+
+
+def veth_name(ip: str) -> str:
+    """Host-side veth, named by the address's last octet: unique, and within IFNAMSIZ (15)."""
+    return f"{VETH_PREFIX}{ip.rsplit('.', 1)[1]}"
+
+
+def bridge_up() -> None:
+    if run(["ip", "link", "show", BRIDGE], check=False, quiet=True).returncode != 0:
+        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+    run(["ip", "addr", "replace", f"{GATEWAY}/24", "dev", BRIDGE])
+    run(["ip", "link", "set", BRIDGE, "up"])
+
+
+def nat_up() -> str:
+    """Masquerade the test subnet in our own nft table; return ip_forward's old value."""
+    old = IP_FORWARD.read_text().strip()
+    IP_FORWARD.write_text("1\n")
+    run(["nft", "delete", "table", "ip", NFT_TABLE], check=False, quiet=True)
+    rules = (f"table ip {NFT_TABLE} {{\n"
+             "  chain postrouting {\n"
+             "    type nat hook postrouting priority srcnat; policy accept;\n"
+             f"    ip saddr {SUBNET} oifname != \"{BRIDGE}\" masquerade\n"
+             "  }\n}\n")
+    run(["nft", "-f", "-"], input=rules)
+    return old
+
+
+def host_net_up(host: str, ip: str) -> str:
+    """A namespace for one host: its own loopback, eth0 on the bridge, default route via us."""
+    ns, veth = netns_name(host), veth_name(ip)
+    run(["ip", "netns", "add", ns])
+    run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+    run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+    run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
+    run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+    run(["ip", "-n", ns, "route", "add", "default", "via", GATEWAY])
+    return ns
+
+
+def our_netns() -> list[str]:
+    out = run(["ip", "netns", "list"], check=False, quiet=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
+
+
+def netns_pids(ns: str) -> list[int]:
+    out = run(["ip", "netns", "pids", ns], check=False, quiet=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def our_links() -> list[str]:
+    out = run(["ip", "-o", "link", "show"], check=False, quiet=True).stdout
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+    return [n for n in names if n == BRIDGE or (n.startswith(VETH_PREFIX) and n[3:].isdigit())]
+
+
+def teardown(old_ip_forward: str | None) -> None:
+    """Delete namespaces, veths, bridge and nft table; restore ip_forward. Safe when none exist."""
+    for ns in our_netns():
+        run(["ip", "netns", "delete", ns], check=False)
+    for link in our_links():  # deleting a namespace drops its veth pair; this catches the rest
+        run(["ip", "link", "delete", link], check=False)
+    if run(["nft", "list", "table", "ip", NFT_TABLE], check=False, quiet=True).returncode == 0:
+        run(["nft", "delete", "table", "ip", NFT_TABLE], check=False)
+    if old_ip_forward is not None:
+        IP_FORWARD.write_text(f"{old_ip_forward}\n")
+        log(f"net.ipv4.ip_forward restored to {old_ip_forward}")
