@@ -10,13 +10,8 @@ import tarfile
 from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import (
-    FileUploadCommand,
-    OperationError,
-    OperationMeta,
-    StringCommand,
-    operation,
-)
+from pyinfra.api import FileUploadCommand, OperationError, StringCommand, operation
+from pyinfra.api.operation import OperationMeta
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File, Sha256File
 

@@ -1,0 +1,85 @@
+"""Our facts' commands run in a real shell here against real files, and their output parses."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from donorkit.facts import CudaStack, EditableInstall, GitCheckout, HostProfile, digest_command
+
+
+def run(command: str) -> list[str]:
+    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    return result.stdout.splitlines()
+
+
+def test_cuda_stack_reads_nvcc_and_torch_version_without_importing(tmp_path: Path) -> None:
+    cuda, venv = tmp_path / "cuda-13.3", tmp_path / "venv"
+    (cuda / "bin").mkdir(parents=True)
+    nvcc = cuda / "bin/nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.3, V13.3.73'\n")
+    nvcc.chmod(0o755)
+    torch = venv / "lib/python3.12/site-packages/torch"
+    torch.mkdir(parents=True)
+    (torch / "version.py").write_text("__version__ = '2.11.0'\ncuda: Optional[str] = '13.0'\n")
+    fact = CudaStack()
+    assert fact.process(run(fact.command(str(cuda), str(venv)))) == {"nvcc": "13.3",
+                                                                    "torch_cuda": "13.0"}
+    nvcc.unlink()
+    assert fact.process(run(fact.command(str(cuda), str(tmp_path / "none")))) == {
+        "nvcc": None, "torch_cuda": None}
+
+
+def test_host_profile_parses_os_release_and_nvidia_smi() -> None:
+    fact = HostProfile()
+    assert fact.process(["@@os", "ubuntu2404", "@@gpus",
+                         "NVIDIA GeForce RTX 4090, 8.9"]) == {
+        "distro": "ubuntu2404", "gpus": [{"name": "NVIDIA GeForce RTX 4090", "compute_cap": "8.9"}],
+        "nvidia_smi_error": False}
+    assert fact.process(["@@os", "debian12", "@@gpus", "ABSENT"])["gpus"] is None
+    here = fact.process(run(fact.command()))
+    assert here["distro"] == "debian12"  # this machine and CI's are Debian 12
+
+
+def test_git_checkout_fact_on_a_real_repository(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f").write_text("1")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    subprocess.run([*git, "tag", "v1.5.1"], check=True)
+    fact = GitCheckout()
+    state = fact.process(run(fact.command(str(repo), "v1.5.1")))
+    assert state["head"] == state["ref"] and len(state["head"]) == 40 and not state["dirty"]
+    (repo / "f").write_text("2")
+    assert fact.process(run(fact.command(str(repo), "v1.5.1")))["dirty"] is True
+    assert fact.process(run(fact.command(str(tmp_path / "absent"), "v1.5.1")))["head"] is None
+
+
+def test_editable_install_fact_finds_direct_url(tmp_path: Path) -> None:
+    dist = tmp_path / "venv/lib/python3.11/site-packages/vllm_exl3-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "direct_url.json").write_text(
+        '{"url": "file:///opt/uncloseai/src/vllm-exl3", "dir_info": {"editable": true}}')
+    fact = EditableInstall()
+    assert fact.process(run(fact.command(str(tmp_path / "venv"), "/opt/uncloseai/src/vllm-exl3")))
+    assert not fact.process(run(fact.command(str(tmp_path / "venv"), "/opt/elsewhere")))
+
+
+def test_dependency_digest_changes_with_content_and_presence(tmp_path: Path) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site/vllm-0.26.0.dist-info").mkdir()
+    unit = tmp_path / "unit"
+    unit.write_text("a")
+    paths = [str(unit), f"{tmp_path}/site/*.dist-info", f"{tmp_path}/stamp"]
+    first = run(digest_command(paths))
+    assert first == run(digest_command(paths)) and len(first[0]) == 64
+    (tmp_path / "site/torch-2.11.0.dist-info").mkdir()
+    second = run(digest_command(paths))
+    assert second != first
+    (tmp_path / "stamp").write_text("k")
+    third = run(digest_command(paths))
+    assert third != second
+    unit.write_text("b")
+    assert run(digest_command(paths)) != third

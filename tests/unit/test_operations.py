@@ -1,0 +1,79 @@
+"""Our custom operations, pyinfra's own way (tests/operations/<module>.<op>/*.json upstream):
+an operation's arguments and the facts it reads go in, the exact commands come out, and a
+converged host yields no command at all (that is what makes a re-run report zero changes).
+
+Cases live in tests/unit/operations/<operation>/<case>.json:
+  {"args": {...}, "facts": {"FactName": {"k=v,k2=v2": value}}, "commands": [...],
+   "noop": bool, "error": "substring"?, "changed_dependencies": bool?}
+Uploads show as "upload <dest>"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FileUploadCommand, OperationError, StringCommand
+from pyinfra.context import ctx_host
+
+from donorkit import operations
+
+CASES = sorted((Path(__file__).parent / "operations").glob("*/*.json"))
+
+
+class FakeOperation:
+    """Stands in for an earlier operation's OperationMeta (did it change anything?)."""
+
+    def __init__(self, changed: bool) -> None:
+        self.changed = changed
+
+    def did_change(self) -> bool:
+        return self.changed
+
+
+class FakeHost:
+    """A host whose facts are the case's; records noop messages."""
+
+    name = "box-a"
+
+    def __init__(self, facts: dict) -> None:
+        self.facts = facts
+        self.noops: list[str] = []
+
+    def get_fact(self, fact: type, **kwargs: object) -> object:
+        key = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items())
+                       if not isinstance(v, list)) or "-"
+        by_args = self.facts.get(fact.__name__, {})
+        if key not in by_args:
+            raise AssertionError(f"case lacks fact {fact.__name__}[{key!r}]")
+        return by_args[key]
+
+    def noop(self, message: str) -> None:
+        self.noops.append(message)
+
+
+def as_text(command: object) -> str:
+    if isinstance(command, FileUploadCommand):
+        return f"upload {command.dest}"
+    if isinstance(command, StringCommand):
+        return command.get_raw_value()
+    return str(command)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.stem}" for c in CASES])
+def test_operation(case: Path) -> None:
+    spec = json.loads(case.read_text())
+    operation = getattr(operations, case.parent.name)
+    args = dict(spec["args"])
+    for key in ("restart_when", "reinstall"):
+        if key in args:
+            args[key] = [FakeOperation(changed) for changed in args[key]]
+    fake = FakeHost(spec.get("facts", {}))
+    with ctx_host.use(fake):
+        if "error" in spec:
+            with pytest.raises(OperationError, match=spec["error"]):
+                list(operation._inner(**args))
+            return
+        commands = [as_text(c) for c in operation._inner(**args)]
+    assert commands == spec["commands"]
+    assert bool(fake.noops) == spec["noop"], fake.noops
