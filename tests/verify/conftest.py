@@ -1,0 +1,192 @@
+"""Post-deploy verification of donor boxes (pytest-testinfra), driven by the deploy's inventory.
+
+Hosts come from the same data the deploy uses (donorkit.fleet.load_fleet), so every check compares
+the box with what the inventory says it should be:
+
+    pytest tests/verify                          # every donor: inventory/donors.yml or $DONORS_FILE
+    pytest tests/verify --donors other.yml       # another donors file
+    pytest tests/verify --limit hermes-4090      # only some donors (repeat it, or NAME,NAME)
+    pytest tests/verify --on-box h200-lent       # on the box itself, for donor NAME (no SSH)
+    pytest tests/verify -n auto                  # hosts in parallel (pytest-xdist)
+    pytest tests/verify --collect-only           # lists the checks; connects nowhere
+
+Remote donors are reached with testinfra's paramiko backend as ssh_user@ssh_hostname:ssh_port,
+with ssh_key if given, through sudo when ssh_user is not root, and checking host keys against
+ssh_known_hosts_file when the host data names one (the testbed writes one per run). --on-box uses
+testinfra's local backend (through sudo when not run as root: the checks read root-only state and
+run commands as the service user).
+
+Test ids are `donor`, `donor:model`, `donor:hostname` or `donor:model:Setting`, so the summary
+names the failing host and check. Skip or fail: a check SKIPS (saying why) when the box lacks what
+it needs and the deploy could not have put it there (systemd not PID 1, a model whose /health is
+not 200); on a box where systemd is PID 1 anything the deploy lays down that is missing FAILS.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import paramiko
+import pytest
+from testinfra.backend.local import LocalBackend
+from testinfra.backend.paramiko import ParamikoBackend
+from testinfra.host import Host
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # pytest puts tests/verify on the path, not the repo root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from donorkit.fleet import FleetError, load_fleet  # noqa: E402
+
+CONNECT_TIMEOUT_S = 10
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("donors", "uncloseai donor verification")
+    group.addoption("--donors", metavar="PATH",
+                    help="donors file to verify (default: $DONORS_FILE or inventory/donors.yml)")
+    group.addoption("--limit", action="append", default=[], metavar="NAME",
+                    help="verify only these donors (repeatable, or a comma list)")
+    group.addoption("--on-box", metavar="NAME",
+                    help="run on the box itself (testinfra local://) as donor NAME; no SSH")
+
+
+def _option(config: pytest.Config, name: str, default: object = None) -> object:
+    # The options exist only when this conftest was loaded at start-up (pytest tests/verify ...).
+    try:
+        return config.getoption(name)
+    except ValueError:
+        return default
+
+
+def selected_donors(config: pytest.Config) -> dict[str, dict]:
+    """{name: host data} of the donors to verify, loaded once per process (no connection)."""
+    cached = getattr(config, "_verify_donors", None)
+    if cached is not None:
+        return cached
+    try:
+        fleet = load_fleet(_option(config, "donors"))
+    except FleetError as exc:
+        raise pytest.UsageError(f"inventory: {exc}") from None
+    on_box = _option(config, "on_box")
+    limit = [n for item in _option(config, "limit", []) for n in item.split(",") if n]
+    wanted = ([on_box] if on_box else []) + limit
+    unknown = [n for n in wanted if n not in fleet]
+    if unknown:
+        raise pytest.UsageError(f"unknown donor(s) {', '.join(unknown)}; "
+                                f"the inventory has {', '.join(sorted(fleet))}")
+    names = [on_box] if on_box else (limit or sorted(fleet))
+    config._verify_donors = {n: fleet[n] for n in names}  # type: ignore[attr-defined]
+    return config._verify_donors  # type: ignore[attr-defined]
+
+
+def _axes(fixturenames: list[str]) -> tuple[str, ...]:
+    """What a test is parametrised over, from the arguments it asks for."""
+    if "route" in fixturenames:
+        return ("donor", "route")
+    if "setting" in fixturenames:
+        return ("donor", "model", "setting")
+    if "model" in fixturenames:
+        return ("donor", "model")
+    return ("donor",)
+
+
+def _cases(data: dict, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The parameter tuples one donor contributes for a test with these axes."""
+    name = data["donor_name"]
+    if "route" in axes:
+        return [(name, r["hostname"]) for r in data["routes"]]
+    if "setting" in axes:
+        return [(name, m, key) for m in data["models"] for key in data["unit_service"]]
+    if "model" in axes:
+        return [(name, m) for m in data["models"]]
+    return [(name,)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise per donor (and model/route/setting) with readable ids: donor:model."""
+    if "donor" not in metafunc.fixturenames:
+        return
+    axes = _axes(metafunc.fixturenames)
+    cases = [case for data in selected_donors(metafunc.config).values()
+             for case in _cases(data, axes)]
+    metafunc.parametrize(axes, cases, ids=[":".join(c) for c in cases])
+
+
+class KnownHostsParamikoBackend(ParamikoBackend):
+    """testinfra's paramiko backend, but honouring a known_hosts file (unknown keys refused)."""
+
+    def __init__(self, hostspec: str, known_hosts: str | None = None, **kwargs: object) -> None:
+        self.known_hosts = known_hosts
+        super().__init__(hostspec, **kwargs)
+
+    @functools.cached_property
+    def client(self) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        if self.known_hosts:
+            client.load_host_keys(self.known_hosts)
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        else:
+            client.load_system_host_keys()
+            client.set_missing_host_key_policy(paramiko.WarningPolicy())
+        client.connect(hostname=self.host.name, port=int(self.host.port or 22),
+                       username=self.host.user, key_filename=self.ssh_identity_file,
+                       timeout=self.timeout, banner_timeout=self.timeout,
+                       auth_timeout=self.timeout)
+        return client
+
+
+def make_host(data: dict, on_box: bool) -> Host:
+    """A testinfra Host for one donor; nothing connects until the first command."""
+    if on_box:
+        return Host(LocalBackend(sudo=os.geteuid() != 0))
+    address = data["ssh_hostname"]
+    address = f"[{address}]" if ":" in address else address
+    backend = KnownHostsParamikoBackend(
+        f"{data['ssh_user']}@{address}:{data['ssh_port']}",
+        known_hosts=data.get("ssh_known_hosts_file"), ssh_identity_file=data.get("ssh_key"),
+        timeout=CONNECT_TIMEOUT_S, sudo=bool(data.get("_sudo")))
+    return Host(backend)
+
+
+_HOSTS: dict[str, Host | str] = {}
+
+
+@pytest.fixture
+def data(donor: str, request: pytest.FixtureRequest) -> dict:
+    """The donor's host data, exactly as the deploy sees it."""
+    return selected_donors(request.config)[donor]
+
+
+@pytest.fixture
+def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+    """The donor's box, connected once per process; an unreachable box errors every check once
+    (the failure is remembered, so a dead host costs one timeout, not one per test)."""
+    if donor not in _HOSTS:
+        box = make_host(data, bool(_option(request.config, "on_box")))
+        try:
+            probe = box.run("true")
+            _HOSTS[donor] = box if probe.rc == 0 else f"`true` exited {probe.rc}: {probe.stderr}"
+        except Exception as exc:  # noqa: BLE001 - every way of not reaching the box is one error
+            _HOSTS[donor] = f"{type(exc).__name__}: {exc}"
+    box = _HOSTS[donor]
+    if isinstance(box, str):
+        where = f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
+        pytest.fail(f"cannot run commands on donor {donor} ({where}): {box}", pytrace=False)
+    return box
+
+
+@pytest.fixture
+def m(data: dict, model: str) -> dict:
+    """The model profile of one unit on this donor."""
+    return data["models"][model]
+
+
+@pytest.fixture
+def route_model(data: dict, route: str) -> dict:
+    """The model profile a public hostname routes to."""
+    name = next(r["model"] for r in data["routes"] if r["hostname"] == route)
+    return data["models"][name]

@@ -1,0 +1,55 @@
+"""The suite's own parsers, checked without a host (they decide pass or fail everywhere else)."""
+
+from __future__ import annotations
+
+import pytest
+from boxcheck import (
+    bus_path,
+    listeners,
+    parse_bytes,
+    parse_environment,
+    parse_timespan_us,
+    split_systemd_words,
+)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("A=1 B=2", ["A=1", "B=2"]),
+    ('"A=x y" B=2', ["A=x y", "B=2"]),
+    (r'"A=say \"hi\" \$HOME \\"', ['A=say "hi" $HOME \\']),
+    ("$'A=tab\\there' 'B=it''s'", ["A=tab\there", "B=its"]),
+    ("", []),
+])
+def test_split_systemd_words(text: str, words: list[str]) -> None:
+    assert split_systemd_words(text) == words
+
+
+def test_parse_environment_rejects_repeats() -> None:
+    assert parse_environment('X=a:b "Y=c d"') == {"X": "a:b", "Y": "c d"}
+    with pytest.raises(ValueError):
+        parse_environment("X=1 X=2")
+
+
+@pytest.mark.parametrize(("text", "usec"), [
+    ("1h", 3600 * 10**6), ("3600", 3600 * 10**6), ("1min 30s", 90 * 10**6), ("5s", 5 * 10**6),
+    ("100ms", 100_000), ("infinity", None),
+])
+def test_parse_timespan(text: str, usec: int | None) -> None:
+    assert parse_timespan_us(text) == usec
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("16G") == parse_bytes("17179869184") == 17179869184
+    assert parse_bytes("infinity") is None
+
+
+def test_bus_path() -> None:
+    assert bus_path("vllm-qwen.service") == "/org/freedesktop/systemd1/unit/vllm_2dqwen_2eservice"
+
+
+def test_listeners() -> None:
+    out = ('LISTEN 0 4096 127.0.0.1:18888 0.0.0.0:* users:(("vllm",pid=7,fd=3))\n'
+           'LISTEN 0 4096 *:443 *:* users:(("caddy",pid=9,fd=7))\n'
+           'LISTEN 0 4096 [::1]:18889 [::]:*\n')
+    assert listeners(out) == [("127.0.0.1", 18888, "vllm"), ("*", 443, "caddy"),
+                              ("::1", 18889, "?")]

@@ -1,0 +1,81 @@
+"""The model units as systemd loaded them (systemctl show / D-Bus, never a grep of the file)."""
+
+from __future__ import annotations
+
+from boxcheck import (
+    SERVICE_PROPERTIES,
+    expected_environment,
+    live_unit_environment,
+    need_systemd,
+    unit_argv,
+    unit_show,
+)
+from testinfra.host import Host
+
+from donorkit import render
+
+
+def test_unit_enabled(host: Host, m: dict) -> None:
+    unit_show(host, m["unit"])
+    state = host.run("systemctl is-enabled %s", m["unit"]).stdout.strip()
+    assert state == "enabled", f"{m['unit']} is {state!r}"
+
+
+def test_unit_environment(host: Host, data: dict, m: dict) -> None:
+    unit_show(host, m["unit"])
+    live = live_unit_environment(host, m["unit"])
+    want = expected_environment(data, m)
+    extra = {k: v for k, v in live.items() if k not in want}
+    absent = {k: v for k, v in want.items() if k not in live}
+    wrong = {k: (live[k], v) for k, v in want.items() if k in live and live[k] != v}
+    assert not (extra or absent or wrong), (
+        f"Environment of {m['unit']} differs from the inventory:\n"
+        f"  unexpected: {extra}\n  missing: {absent}\n  (live, expected): {wrong}")
+
+
+def test_unit_user(host: Host, data: dict, m: dict) -> None:
+    assert unit_show(host, m["unit"], "User")["User"] == data["service_user"]
+
+
+def test_unit_service_setting(host: Host, data: dict, m: dict, setting: str) -> None:
+    """One [Service] setting of unit_service, compared as systemd normalises it."""
+    prop, normalise = SERVICE_PROPERTIES.get(setting, (setting, str))
+    live = unit_show(host, m["unit"], prop).get(prop)
+    want = str(data["unit_service"][setting])
+    assert live is not None, f"systemd reports no {prop} for {m['unit']}"
+    assert normalise(live) == normalise(want), f"{prop}={live}, inventory {setting}={want}"
+
+
+def test_unit_exec_start(host: Host, data: dict, m: dict) -> None:
+    argv = unit_argv(host, m["unit"])
+    assert argv == render.exec_start(data, m)
+
+
+def test_unit_binds_loopback_without_alias(host: Host, m: dict) -> None:
+    """vLLM listens on all interfaces unless --host is given; an alias hides the checkpoint."""
+    argv = unit_argv(host, m["unit"])
+    hosts = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--host"]
+    hosts += [a.split("=", 1)[1] for a in argv if a.startswith("--host=")]
+    assert hosts == ["127.0.0.1"], f"--host values in ExecStart: {hosts}"
+    assert not [a for a in argv if a.split("=")[0] == "--served-model-name"], argv
+
+
+def test_caddy_active(host: Host) -> None:
+    need_systemd(host, "caddy.service")
+    unit_show(host, "caddy.service")
+    state = host.run("systemctl is-active caddy.service").stdout.strip()
+    assert state == "active", f"caddy.service is {state!r}"
+
+
+def test_caddy_enabled(host: Host) -> None:
+    unit_show(host, "caddy.service")
+    state = host.run("systemctl is-enabled caddy.service").stdout.strip()
+    assert state == "enabled", f"caddy.service is {state!r}"
+
+
+def test_retired_units_gone(host: Host, data: dict) -> None:
+    """Units of identities this box no longer serves must not hold the GPU."""
+    need_systemd(host, "retired model units")
+    for unit in data.get("retired_units", []):
+        state = host.run("systemctl show -p LoadState -p ActiveState %s", unit).stdout
+        assert "LoadState=loaded" not in state, f"{unit} is still installed: {state.split()}"
