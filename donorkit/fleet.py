@@ -19,7 +19,8 @@ DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
 
 DONOR_FIELDS = {"ssh_host": str, "ssh_user": str, "card": str, "routes": dict}
-OPTIONAL_DONOR_FIELDS = {"ssh_port": int, "ssh_key": str, "overrides": dict}
+OPTIONAL_DONOR_FIELDS = {"ssh_port": int, "ssh_key": str, "ssh_known_hosts_file": str,
+                         "overrides": dict}
 CARD_FIELDS = {"gpu_name": str, "arch": str, "cuda": str, "pip_index_url": str,
                "pip_extra_index_urls": list}
 MODEL_FIELDS = {"checkpoint": str, "port": int, "max_model_len": int, "args": list,
@@ -159,8 +160,9 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         f"exllamav3-{data['exllamav3_version']}@{data['exllamav3_ref']} "
         f"torch-{data['torch_version']}@{card['pip_index_url']} cuda-{cuda} "
         f"arch-{card['arch']} {data['venv_python']}")
-    if "ssh_key" in donor:
-        data["ssh_key"] = str(Path(donor["ssh_key"]).expanduser())
+    for field in ("ssh_key", "ssh_known_hosts_file"):
+        if field in donor:  # relative paths are relative to the repo root, like everything else
+            data[field] = str((REPO_ROOT / Path(donor[field]).expanduser()).resolve())
     if donor["ssh_user"] != "root":
         data["_sudo"] = True
     return data
