@@ -12,7 +12,8 @@ the box with what the inventory says it should be:
 
 Remote donors are reached with testinfra's paramiko backend as ssh_user@ssh_hostname:ssh_port,
 with ssh_key if given, through sudo when ssh_user is not root, and checking host keys against
-ssh_known_hosts_file when the host data names one (the testbed writes one per run). --on-box uses
+ssh_known_hosts_file when the host data names one, or --known-hosts PATH (the testbed writes one
+per run); with either, an unknown or changed host key is refused. --on-box uses
 testinfra's local backend (through sudo when not run as root: the checks read root-only state and
 run commands as the service user).
 
@@ -52,6 +53,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="verify only these donors (repeatable, or a comma list)")
     group.addoption("--on-box", metavar="NAME",
                     help="run on the box itself (testinfra local://) as donor NAME; no SSH")
+    group.addoption("--known-hosts", metavar="PATH",
+                    help="known_hosts file for every remote donor (default: each donor's "
+                         "ssh_known_hosts_file, else ~/.ssh/known_hosts)")
 
 
 def _option(config: pytest.Config, name: str, default: object = None) -> object:
@@ -139,7 +143,7 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         return client
 
 
-def make_host(data: dict, on_box: bool) -> Host:
+def make_host(data: dict, on_box: bool, known_hosts: str | None = None) -> Host:
     """A testinfra Host for one donor; nothing connects until the first command."""
     if on_box:
         return Host(LocalBackend(sudo=os.geteuid() != 0))
@@ -147,8 +151,9 @@ def make_host(data: dict, on_box: bool) -> Host:
     address = f"[{address}]" if ":" in address else address
     backend = KnownHostsParamikoBackend(
         f"{data['ssh_user']}@{address}:{data['ssh_port']}",
-        known_hosts=data.get("ssh_known_hosts_file"), ssh_identity_file=data.get("ssh_key"),
-        timeout=CONNECT_TIMEOUT_S, sudo=bool(data.get("_sudo")))
+        known_hosts=known_hosts or data.get("ssh_known_hosts_file"),
+        ssh_identity_file=data.get("ssh_key"), timeout=CONNECT_TIMEOUT_S,
+        sudo=bool(data.get("_sudo")))
     return Host(backend)
 
 
@@ -166,7 +171,8 @@ def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
     """The donor's box, connected once per process; an unreachable box errors every check once
     (the failure is remembered, so a dead host costs one timeout, not one per test)."""
     if donor not in _HOSTS:
-        box = make_host(data, bool(_option(request.config, "on_box")))
+        box = make_host(data, bool(_option(request.config, "on_box")),
+                        _option(request.config, "known_hosts"))
         try:
             probe = box.run("true")
             _HOSTS[donor] = box if probe.rc == 0 else f"`true` exited {probe.rc}: {probe.stderr}"

@@ -3,6 +3,7 @@ adapted JSON proxies each hostname to its own model's loopback port with the see
 
 from __future__ import annotations
 
+import difflib
 import json
 
 import pytest
@@ -61,7 +62,10 @@ def _adapted(host: Host) -> dict:
 
 def test_caddyfile_is_rendered(host: Host, data: dict) -> None:
     live = host.file(_caddyfile(host)).content_string
-    assert live == render.render_caddyfile(data), f"{render.CADDYFILE} differs from the render"
+    want = render.render_caddyfile(data)
+    diff = "".join(difflib.unified_diff(want.splitlines(True), live.splitlines(True),
+                                        "rendered from the inventory", render.CADDYFILE))
+    assert live == want, f"{render.CADDYFILE} differs from the render:\n{diff[:3000]}"
 
 
 def test_caddy_validate(host: Host) -> None:
