@@ -87,6 +87,11 @@ def selected_donors(config: pytest.Config) -> dict[str, dict]:
     return config._verify_donors  # type: ignore[attr-defined]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A bad inventory or an unknown --limit name is one usage error, before any collection.
+    selected_donors(config)
+
+
 def _axes(fixturenames: list[str]) -> tuple[str, ...]:
     """What a test is parametrised over, from the arguments it asks for."""
     if "route" in fixturenames:

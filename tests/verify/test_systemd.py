@@ -21,6 +21,14 @@ def test_unit_enabled(host: Host, m: dict) -> None:
     assert state == "enabled", f"{m['unit']} is {state!r}"
 
 
+def test_unit_active(host: Host, m: dict) -> None:
+    """Restart=always hides a crash loop as "activating (auto-restart)"; active means running."""
+    state = unit_show(host, m["unit"], "ActiveState", "SubState")
+    assert (state["ActiveState"], state["SubState"]) == ("active", "running"), (
+        f"{m['unit']} is {state['ActiveState']} ({state['SubState']}): "
+        f"see journalctl -u {m['unit']}")
+
+
 def test_unit_environment(host: Host, data: dict, m: dict) -> None:
     unit_show(host, m["unit"])
     live = live_unit_environment(host, m["unit"])
