@@ -24,7 +24,7 @@ test: lint
 	$(BIN)/pytest -q tests/unit
 
 testbed: venv
-	$(BIN)/python -m tests.testbed.e2e
+	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed
 
 verify: venv
 	$(BIN)/pytest -q -n auto tests/verify $(if $(LIMIT),--limit $(LIMIT))

@@ -6,7 +6,7 @@ from donorkit.fleet import plugin_local_path
 from donorkit.operations import editable_install, git_checkout, source_tree
 
 plugin = host.data.vllm_exl3_plugin
-dest = f"{host.data.install_root}/src/vllm-exl3"
+dest = host.data.vllm_exl3_plugin_dir
 
 if "path" in plugin:
     fetched = source_tree(name="Ship the vllm-exl3 plugin source",

@@ -10,8 +10,8 @@ install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
 shared_dependencies = [
     f"{site_packages}/*.dist-info",
-    f"{install_root}/src/vllm-exl3/.uncloseai-tree",
-    f"{install_root}/src/vllm-exl3/.git/HEAD",
+    f"{host.data.vllm_exl3_plugin_dir}/.uncloseai-tree",
+    f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
     f"{install_root}/state/exllamav3.stack",
 ]
 

@@ -5,45 +5,51 @@ from __future__ import annotations
 from boxcheck import venv_json
 from testinfra.host import Host
 
-# The plugin's distribution name (normalised); vLLM loads it through this entry point group.
-PLUGIN_DIST = "vllm-exl3"
+# vLLM loads plugins through this entry point group.
 GROUP = "vllm.general_plugins"
 
-INSPECT = f"""
+INSPECT = """
 import importlib.metadata as md, json, re
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-dists = [d for d in md.distributions() if norm(d.metadata["Name"]) == {PLUGIN_DIST!r}]
-out = {{"found": len(dists)}}
+dists = [d for d in md.distributions() if norm(d.metadata["Name"]) == {dist!r}]
+out = {"found": len(dists)}
 if dists:
     d = dists[0]
     direct = d.read_text("direct_url.json")
     out["direct_url"] = json.loads(direct) if direct else None
-    out["entry_points"] = [[ep.name, ep.value] for ep in d.entry_points if ep.group == {GROUP!r}]
+    eps = [ep for ep in d.entry_points if ep.group == 'vllm.general_plugins']
+    out["entry_points"] = [[ep.name, ep.value] for ep in eps]
     out["errors"] = []
     for ep in d.entry_points:
-        if ep.group == {GROUP!r}:
+        if ep.group == 'vllm.general_plugins':
             try:
                 ep.load()
             except Exception as exc:
-                out["errors"].append(f"{{ep.name}} = {{ep.value}}: {{type(exc).__name__}}: {{exc}}")
+                out["errors"].append(f"{ep.name} = {ep.value}: {type(exc).__name__}: {exc}")
 print(json.dumps(out))
 """
 
 
 def _plugin(host: Host, data: dict) -> dict:
-    found = venv_json(host, data["venv_dir"], INSPECT, f"inspect {PLUGIN_DIST}")
-    assert found["found"] == 1, f"{found['found']} distributions named {PLUGIN_DIST} in the venv"
+    dist = data["vllm_exl3_plugin_dist"]
+    found = venv_json(host, data["venv_dir"], INSPECT.replace("{dist!r}", repr(dist)),
+                      f"inspect {dist}")
+    assert found["found"] == 1, f"{found['found']} distributions named {dist} in the venv"
     return found
 
 
 def test_plugin_installed_editable(host: Host, data: dict) -> None:
+    dist = data["vllm_exl3_plugin_dist"]
     direct = _plugin(host, data)["direct_url"]
-    assert direct, f"{PLUGIN_DIST} has no direct_url.json: not installed from a directory"
+    assert direct, f"{dist} has no direct_url.json: not installed from a directory"
     assert direct.get("dir_info", {}).get("editable") is True, (
-        f"{PLUGIN_DIST} is not an editable install: {direct}")
+        f"{dist} is not an editable install: {direct}")
+    assert direct.get("url") == f"file://{data['vllm_exl3_plugin_dir']}", (
+        f"{dist} is installed from {direct.get('url')}, not {data['vllm_exl3_plugin_dir']}")
 
 
 def test_plugin_entry_point_loads(host: Host, data: dict) -> None:
     found = _plugin(host, data)
-    assert found["entry_points"], f"{PLUGIN_DIST} declares no {GROUP} entry point"
+    assert found["entry_points"], (
+        f"{data['vllm_exl3_plugin_dist']} declares no {GROUP} entry point")
     assert not found["errors"], "entry point(s) failed to load:\n" + "\n".join(found["errors"])
