@@ -93,3 +93,19 @@ def find_pids(match: Callable[[list[str]], bool]) -> list[int]:
         if match(argv):
             found.append(int(proc.name))
     return found
+
+
+def unmount_under(path: Path) -> None:
+    """Unmount all at or below path, deepest first (a failed debootstrap leaves its /proc)."""
+    prefix = str(path.resolve())
+    points = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")),
+                        key=len, reverse=True):
+        run(["umount", "-l", point], check=False)
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf that never crosses into a mount (nor deletes through one)."""
+    if path.exists() or path.is_symlink():
+        unmount_under(path)
+        run(["rm", "-rf", "--one-file-system", path])

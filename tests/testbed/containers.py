@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .common import WORK, find_pids, log, run
+from .common import WORK, find_pids, log, remove_tree, run
 from .network import netns_pids
 from .rootfs import BASE
 
@@ -65,14 +65,22 @@ def boot(name: str, ns: str) -> subprocess.Popen:
 def is_ours(pid: int, name: str) -> bool:
     """True if pid is still the nspawn of host `name` (guards against a recycled pid)."""
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return bool(cmd) and cmd[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in cmd
+    return is_nspawn_of([a.decode(errors="replace") for a in raw.split(b"\0")], name)
+
+
+def is_nspawn_of(argv: list[str], name: str) -> bool:
+    return (argv[0].endswith("systemd-nspawn") and f"--machine={name}" in argv
+            and f"--directory={host_dir(name) / 'root'}" in argv)
 
 
 def stop(name: str, pid: int | None, ns: str, timeout: float = 15.0) -> None:
     """Orderly halt (SIGTERM makes nspawn send the container's PID 1 its halt signal), then kill."""
+    if not (pid and is_ours(pid, name)):  # state lost: find the host's nspawn by its command line
+        found = find_pids(lambda argv: bool(argv[0]) and is_nspawn_of(argv, name))
+        pid = found[0] if found else None
     if pid and is_ours(pid, name):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -119,15 +127,8 @@ def _reap(pid: int) -> None:
 
 
 def remove_root(name: str) -> None:
-    """Unmount the overlay and delete the host's files; --one-file-system never follows a mount."""
-    d = host_dir(name)
-    root = d / "root"
-    if os.path.ismount(root):
-        run(["umount", root], check=False)
-    if os.path.ismount(root):
-        run(["umount", "-l", root], check=False)
-    if d.exists() and not os.path.ismount(root):
-        run(["rm", "-rf", "--one-file-system", d], check=False)
+    """Unmount the overlay and delete the host's files (never through a mount)."""
+    remove_tree(host_dir(name))
 
 
 def all_host_dirs() -> list[str]:

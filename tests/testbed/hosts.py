@@ -79,11 +79,10 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
 
 
 def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
-    state: dict = {"ip_forward": None, "http_pid": None, "hosts": []}
+    state: dict = {"http_pid": None, "hosts": []}
     network.bridge_up()
     _save(state)  # from here on, whatever exists is recorded before the next step can fail
-    state["ip_forward"] = network.nat_up()
-    _save(state)
+    network.nat_up()
     state["http_pid"] = www.start_http(www.WWW)
     _save(state)
     pubkey = _new_ssh_key()
@@ -150,7 +149,7 @@ def down(times: dict[str, float] | None = None) -> None:
             _step(errors, f"stop {name}", containers.stop, name, pid, network.netns_name(name))
         _step(errors, "stop nspawn leftovers", containers.kill_strays)
         _step(errors, "stop http.server", www.stop_http, state.get("http_pid"))
-        _step(errors, "network", network.teardown, state.get("ip_forward"))
+        _step(errors, "network", network.teardown)
         for name in containers.all_host_dirs():
             _step(errors, f"remove {name}", containers.remove_root, name)
         for f in (STATE, KNOWN_HOSTS, SSH_KEY, SSH_KEY.with_suffix(".pub")):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import log, run
+from .common import WORK, log, run
 
 BRIDGE = "ucbr0"
 GATEWAY = "10.213.0.1"
@@ -17,6 +17,9 @@ NFT_TABLE = "uncloseai_testbed"
 NETNS_PREFIX = "ucb-"
 VETH_PREFIX = "ucv"
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+# The value before the first `up`, kept apart from the state file and never overwritten until
+# restored: a crashed or repeated `up` cannot make 1 look like the machine's own setting.
+IP_FORWARD_SAVED = WORK / "ip_forward.orig"
 
 
 def netns_name(host: str) -> str:
@@ -35,9 +38,11 @@ def bridge_up() -> None:
     run(["ip", "link", "set", BRIDGE, "up"])
 
 
-def nat_up() -> str:
-    """Masquerade the test subnet in our own nft table; return ip_forward's old value."""
-    old = IP_FORWARD.read_text().strip()
+def nat_up() -> None:
+    """Masquerade the test subnet in our own nft table, with forwarding on (old value saved)."""
+    if not IP_FORWARD_SAVED.exists():
+        IP_FORWARD_SAVED.parent.mkdir(parents=True, exist_ok=True)
+        IP_FORWARD_SAVED.write_text(IP_FORWARD.read_text())
     IP_FORWARD.write_text("1\n")
     run(["nft", "delete", "table", "ip", NFT_TABLE], check=False, quiet=True)
     rules = (f"table ip {NFT_TABLE} {{\n"
@@ -46,7 +51,6 @@ def nat_up() -> str:
              f"    ip saddr {SUBNET} oifname != \"{BRIDGE}\" masquerade\n"
              "  }\n}\n")
     run(["nft", "-f", "-"], input=rules)
-    return old
 
 
 def host_net_up(host: str, ip: str) -> str:
@@ -78,7 +82,7 @@ def our_links() -> list[str]:
     return [n for n in names if n == BRIDGE or (n.startswith(VETH_PREFIX) and n[3:].isdigit())]
 
 
-def teardown(old_ip_forward: str | None) -> None:
+def teardown() -> None:
     """Delete namespaces, veths, bridge and nft table; restore ip_forward. Safe when none exist."""
     for ns in our_netns():
         run(["ip", "netns", "delete", ns], check=False)
@@ -86,6 +90,8 @@ def teardown(old_ip_forward: str | None) -> None:
         run(["ip", "link", "delete", link], check=False)
     if run(["nft", "list", "table", "ip", NFT_TABLE], check=False, quiet=True).returncode == 0:
         run(["nft", "delete", "table", "ip", NFT_TABLE], check=False)
-    if old_ip_forward is not None:
-        IP_FORWARD.write_text(f"{old_ip_forward}\n")
-        log(f"net.ipv4.ip_forward restored to {old_ip_forward}")
+    if IP_FORWARD_SAVED.exists():
+        old = IP_FORWARD_SAVED.read_text().strip()
+        IP_FORWARD.write_text(f"{old}\n")
+        IP_FORWARD_SAVED.unlink()
+        log(f"net.ipv4.ip_forward restored to {old}")

@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .common import STANDINS, WORK, log, run, sha256_of
+from .common import STANDINS, WORK, log, remove_tree, run, sha256_of, unmount_under
 
 BASE = WORK / "rootfs-base"
 RECIPE_FILE = BASE / ".testbed-recipe"
@@ -42,17 +42,20 @@ def ensure_base() -> bool:
 
 def _debootstrap() -> None:
     tmp = WORK / "rootfs-base.new"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     log(f"debootstrap {SUITE} into {tmp} (about a minute)")
-    run([*DEBOOTSTRAP, tmp, MIRROR])
+    try:
+        run([*DEBOOTSTRAP, tmp, MIRROR])
+    finally:
+        unmount_under(tmp)
     (tmp / "etc/apt/sources.list").write_text(SOURCES)
     # Host keys are made per host at each start; the base must not carry any.
     for key in (tmp / "etc/ssh").glob("ssh_host_*"):
         key.unlink()
     run(["chroot", tmp, "apt-get", "clean"])
     (tmp / ".testbed-recipe").write_text(recipe())
-    shutil.rmtree(BASE, ignore_errors=True)
+    remove_tree(BASE)
     tmp.rename(BASE)
 
 

@@ -1,0 +1,208 @@
+"""`make testbed`: the real entry point, `pyinfra inventory/testbed.py deploy.py`, over SSH against
+two local test hosts (real systemd, sshd, apt, pip; see hosts.py), then verification, then the
+re-run and failure cases. The tests run in order and share the hosts; teardown always runs.
+
+What each host must end as:
+- tb-4090 converges: real vllm 0.26.0 + torch from PyPI in the venv, a real nvcc 13.3 (NVIDIA's
+  PyPI wheels packaged as the stand-in cuda-toolkit-13-3), the stand-in exllamav3 compiled by it.
+- tb-3090 stops at the CUDA step with a message naming it and the missing nvcc (PyPI has no CUDA
+  12.8 compiler, and its CUDA-12 wheel index is unreachable here), while tb-4090 carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.hosts import Host, ssh, testbed
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DONORS = REPO_ROOT / "tests/testbed/donors.yml"
+GOOD, BAD = "tb-4090", "tb-3090"
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[dict[str, Host]]:
+    with testbed(times=TIMES) as started:
+        yield {h.name: h for h in started}
+    print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
+
+
+def deploy(*extra: str, timeout: float = 3000) -> tuple[int, dict, str]:
+    """Run the real entry point; return (exit code, pyinfra's --json results, stderr)."""
+    started = time.monotonic()
+    result = subprocess.run([str(BIN / "pyinfra"), "-y", "--json", *extra, "inventory/testbed.py",
+                             "deploy.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=timeout)
+    elapsed = time.monotonic() - started
+    payload = result.stdout[result.stdout.find("{"):]
+    try:
+        report = json.loads(payload)
+    except json.JSONDecodeError:
+        pytest.fail(f"pyinfra printed no JSON (rc {result.returncode}):\n{result.stdout[-3000:]}"
+                    f"\n{result.stderr[-3000:]}")
+    report["elapsed"] = elapsed
+    return result.returncode, report, result.stderr
+
+
+def changed_ops(report: dict, host: str) -> list[str]:
+    return [op["name"] for op in report["results"]["operations"] if host in op["success"]]
+
+
+def failed_ops(report: dict, host: str) -> list[str]:
+    return [op["name"] for op in report["results"]["operations"] if host in op["error"]]
+
+
+def unit_start(host: Host, unit: str) -> str:
+    return ssh(host, f"systemctl show -p MainPID -p ActiveEnterTimestampMonotonic {unit}").stdout
+
+
+def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -> None:
+    """Kill the deploy while tb-4090's venv is being installed; the next run must converge."""
+    good = hosts[GOOD]
+    started = time.monotonic()
+    proc = subprocess.Popen([str(BIN / "pyinfra"), "-y", "inventory/testbed.py", "deploy.py",
+                             "--limit", GOOD], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while proc.poll() is None and time.monotonic() - started < 1500:
+            if ssh(good, "pgrep -f 'vllm-venv/bin/pip install'", check=False).returncode == 0:
+                time.sleep(20)  # well into the download/unpack of vllm and torch
+                break
+            time.sleep(1)
+        assert proc.poll() is None, "the deploy ended before its venv step could be interrupted"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # The controller died; its remote pip would be left running by sshd: end it as a crash would.
+    ssh(good, "pkill -9 -f 'vllm-venv/bin/pip' || true")
+    TIMES["interrupted run"] = time.monotonic() - started
+
+    rc, report, stderr = deploy()
+    TIMES["first converge"] = report["elapsed"]
+    assert failed_ops(report, GOOD) == [], stderr[-4000:]
+    assert report["results"]["failed_hosts"] == [BAD], stderr[-4000:]
+    assert rc != 0  # one host failed
+
+
+def test_broken_host_stops_at_the_cuda_step_with_a_clear_message(hosts: dict[str, Host]) -> None:
+    rc, report, stderr = deploy("--limit", BAD)
+    assert report["results"]["failed_hosts"] == [BAD]
+    assert failed_ops(report, BAD) == ["Check nvcc 12.8 in /usr/local/cuda-12.8"]
+    assert (f"{BAD}: /usr/local/cuda-12.8/bin/nvcc is missing after installing "
+            "cuda-toolkit-12-8") in stderr
+    # Nothing after that step ran on it: no venv.
+    assert ssh(hosts[BAD], "test -e /opt/uncloseai/vllm-venv", check=False).returncode != 0
+
+
+def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host]) -> None:
+    good = hosts[GOOD]
+    before = unit_start(good, "vllm-qwen.service")
+    caddy_before = unit_start(good, "caddy")
+    rc, report, stderr = deploy("--limit", GOOD)
+    TIMES["no-op re-run"] = report["elapsed"]
+    assert rc == 0, stderr[-4000:]
+    assert changed_ops(report, GOOD) == []
+    assert report["results"]["totals"]["success"] == 0
+    assert unit_start(good, "vllm-qwen.service") == before
+    assert unit_start(good, "caddy") == caddy_before
+
+
+def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
+    """tests/verify against both hosts: all green on tb-4090; tb-3090's missing nvcc reported."""
+    started = time.monotonic()
+    junit = tmp_path / "verify.xml"
+    result = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-n", "2", "tests/verify", "--donors", str(DONORS),
+                             f"--junitxml={junit}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=900)
+    TIMES["verification"] = time.monotonic() - started
+    print(result.stdout[-6000:])
+    outcomes = junit_outcomes(junit)
+    good = {k: v for k, v in outcomes.items() if f"[{GOOD}" in k}
+    bad = {k: v for k, v in outcomes.items() if f"[{BAD}" in k}
+    assert good and all(v in ("passed", "skipped") for v in good.values()), good
+    assert [k for k, v in good.items() if v == "skipped"] == [] or all(
+        "serving" not in k for k, v in good.items() if v == "skipped"), good
+    nvcc_failures = [k for k, v in bad.items() if v == "failed" and "nvcc" in k]
+    assert nvcc_failures, f"tb-3090's missing nvcc was not reported as a failure: {bad}"
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    import xml.etree.ElementTree as ET
+
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        outcome = ("failed" if kinds & {"failure", "error"} else
+                   "skipped" if "skipped" in kinds else "passed")
+        outcomes[case.get("name", "")] = outcome
+    return outcomes
+
+
+def through_caddy(host: Host, hostname: str, path: str, headers: str = "") -> tuple[int, str]:
+    out = ssh(host, f"curl -sS -o /tmp/body -w '%{{http_code}}' {headers} --cacert /tmp/ca.crt "
+                    f"--resolve {hostname}:443:127.0.0.1 https://{hostname}{path}; echo; "
+                    "cat /tmp/body", check=False).stdout
+    code, _, body = out.partition("\n")
+    return int(code or 0), body
+
+
+def test_serving_through_caddy_502_when_down_and_scrubbed_log(hosts: dict[str, Host]) -> None:
+    good = hosts[GOOD]
+    ca = (REPO_ROOT / ".testbed/pki/ca.crt").read_text()
+    ssh(good, f"cat > /tmp/ca.crt <<'EOF'\n{ca}EOF")
+    code, body = through_caddy(good, "hermes.ai.unturf.com", "/v1/models")
+    assert code == 200, body
+    assert [m["id"] for m in json.loads(body)["data"]] == ["turboderp/Qwen3.8-27B-exl3"]
+
+    secret = "s3cr3t-value-7f1e"
+    code, _ = through_caddy(good, "hermes.ai.unturf.com", "/version",
+                            f"-H 'Authorization: Bearer {secret}' -H 'Cookie: c={secret}' "
+                            f"-H 'Api-Key: {secret}'")
+    assert code == 200
+    log = ssh(good, "sleep 0.5; tail -n 5 /var/log/caddy/access.log").stdout
+    assert "/version" in log and secret not in log
+
+    ssh(good, "systemctl stop vllm-qwen.service")
+    try:
+        code, body = through_caddy(good, "hermes.ai.unturf.com", "/v1/models")
+        assert code == 502 and body == ""
+    finally:
+        ssh(good, "systemctl start vllm-qwen.service")
+
+
+def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
+    """A stopped unit, an edited Caddyfile and a removed package are each put right by a re-run;
+    and a unit whose dependency changed while a run died is restarted by the next run."""
+    good = hosts[GOOD]
+    ssh(good, "systemctl stop vllm-qwen.service; echo '# drift' >> /etc/caddy/Caddyfile; "
+              "apt-get -q -y remove ninja-build >/dev/null")
+    rc, report, stderr = deploy("--limit", GOOD)
+    assert rc == 0, stderr[-4000:]
+    changed = changed_ops(report, GOOD)
+    assert "Install build tools" in changed
+    assert "Install /etc/caddy/Caddyfile" in changed
+    assert "Run Caddy with the current config" in changed
+    assert any(name.startswith("Run vllm-qwen.service") for name in changed)
+    assert ssh(good, "systemctl is-active vllm-qwen.service caddy").stdout.split() == [
+        "active", "active"]
+    assert "# drift" not in ssh(good, "cat /etc/caddy/Caddyfile").stdout
+
+    # A dependency changed on disk (as when a run dies between pip and the restart).
+    before = unit_start(good, "vllm-qwen.service")
+    ssh(good, "mkdir /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/drift-0.dist-info")
+    rc, report, stderr = deploy("--limit", GOOD)
+    assert rc == 0, stderr[-4000:]
+    assert unit_start(good, "vllm-qwen.service") != before
+    ssh(good, "rmdir /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/drift-0.dist-info")
