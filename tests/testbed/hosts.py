@@ -11,7 +11,9 @@ NVIDIA's CUDA repo and for exllamav3's git repo are served from 10.213.0.1:8089.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +66,7 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
        times: dict[str, float] | None = None) -> list[Host]:
     """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
     times = {} if times is None else times
+    _validate(hosts)
     down()
     apt_install_missing(TOOLS)
     with phase("rootfs", times):
@@ -76,6 +79,19 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
     for h in started:
         print(f"{h.name}\t{h.ip}")
     return started
+
+
+def _validate(hosts: Sequence[tuple[str, str]]) -> None:
+    """Names become hostnames and namespace names; addresses must be on the testbed's subnet."""
+    names, ips = [n for n, _ in hosts], [ip for _, ip in hosts]
+    if not hosts or len(set(names)) != len(names) or len(set(ips)) != len(ips):
+        raise ValueError(f"hosts must be non-empty with unique names and addresses: {hosts}")
+    for name, ip in hosts:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,30}", name):
+            raise ValueError(f"host name {name!r}: lowercase letters, digits and '-', max 31")
+        if ipaddress.ip_address(ip) not in ipaddress.ip_network(network.SUBNET) or \
+                ip.rsplit(".", 1)[1] in ("0", "1", "255"):
+            raise ValueError(f"{name}: {ip} is not a host address in {network.SUBNET}")
 
 
 def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
@@ -229,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     times: dict[str, float] = {}
     if args.action == "up":
+        hosts = _parse_hosts(args.hosts)
+        _validate(hosts)  # a bad argument leaves whatever runs alone
         restore = _sigterm_raises()
         try:
-            up(_parse_hosts(args.hosts), times)
+            up(hosts, times)
         except BaseException:
             log("up failed: tearing down")
             down()
