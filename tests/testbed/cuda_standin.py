@@ -29,7 +29,7 @@ REPO_URL = f"http://{GATEWAY}:8089/{REPO_PATH}"
 KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_DEB = "cuda-keyring_1.1-1_all.deb"
 LIST_FILE = "/etc/apt/sources.list.d/cuda-debian12-x86_64.list"
-BUILDER = "2"  # bump when the package layout below changes: cached debs are rebuilt
+BUILDER = "3"  # bump when the package layout below changes: cached debs are rebuilt
 
 # toolkit version -> (package version, wheels on PyPI); each wheel unpacks under nvidia/<dir>/.
 TOOLKITS: dict[str, tuple[str, list[str]]] = {
@@ -113,7 +113,8 @@ def build_toolkit_deb(version: str) -> Path:
                "Depends: g++\n"
                f"Description: STAND-IN for NVIDIA's {name} (testbed only)\n"
                f" NVIDIA's CUDA {version} wheels from PyPI under /usr/local/cuda-{version}.\n")
-    key = sha256_of(BUILDER, control, *(f"{w.name}:{w.stat().st_size}" for w in wheels))
+    inputs = [f"{w.name}:{w.stat().st_size}" for w in wheels]
+    key = sha256_of(BUILDER, control, _postinst(version), _prerm(version), *inputs)
     cached = DEBS / f"{name}_{pkg_version}_amd64.deb"
     if _fresh(cached, key):
         return cached
@@ -125,10 +126,29 @@ def build_toolkit_deb(version: str) -> Path:
             _unpack_wheel(w, prefix)
         _finish_layout(prefix, version)
         _put(root / "DEBIAN/control", control.encode(), 0o644)
+        _put(root / "DEBIAN/postinst", _postinst(version).encode(), 0o755)
+        _put(root / "DEBIAN/prerm", _prerm(version).encode(), 0o755)
         _dpkg_deb(root, cached)
     check_toolkit_deb(cached, version)
     _mark(cached, key)
     return cached
+
+
+def _postinst(version: str) -> str:
+    """As NVIDIA's *-config-common packages: /usr/local/cuda and /usr/local/cuda-MAJOR are
+    alternatives to the newest toolkit (so a unit that wrongly uses them shows up in tests)."""
+    major, prio = version.split(".")[0], version.replace(".", "")
+    return ("#!/bin/sh\nset -e\n"
+            f"update-alternatives --install /usr/local/cuda cuda /usr/local/cuda-{version} {prio}\n"
+            f"update-alternatives --install /usr/local/cuda-{major} cuda-{major} "
+            f"/usr/local/cuda-{version} {prio}\n")
+
+
+def _prerm(version: str) -> str:
+    major = version.split(".")[0]
+    return ("#!/bin/sh\nset -e\n"
+            f"update-alternatives --remove cuda /usr/local/cuda-{version}\n"
+            f"update-alternatives --remove cuda-{major} /usr/local/cuda-{version}\n")
 
 
 def download_wheel(spec: str) -> Path:

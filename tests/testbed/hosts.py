@@ -233,6 +233,9 @@ def _load() -> dict:
 
 
 def _parse_hosts(specs: list[str]) -> list[tuple[str, str]]:
+    bad = [s for s in specs if "=" not in s]
+    if bad:
+        raise ValueError(f"expected NAME=IP, got {bad}")
     return [tuple(s.split("=", 1)) for s in specs] if specs else list(DEFAULT_HOSTS)
 
 
