@@ -10,11 +10,19 @@ import tarfile
 from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import FileUploadCommand, OperationError, StringCommand, operation
+from pyinfra.api import (
+    FileDownloadCommand,
+    FileUploadCommand,
+    FunctionCommand,
+    OperationError,
+    StringCommand,
+    operation,
+)
 from pyinfra.api.operation import OperationMeta
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File, Sha256File
 
+from donorkit import wheel_cache
 from donorkit.facts import (
     CudaStack,
     EditableInstall,
@@ -23,6 +31,7 @@ from donorkit.facts import (
     UnitState,
     digest_command,
 )
+from donorkit.wheel_cache import Exllamav3Stack
 
 APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
        "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold")
@@ -165,15 +174,74 @@ def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMe
 
 
 @operation()
-def exllamav3_wheel(script: str, stamp: str, stack_key: str, env: dict[str, str]):
-    """Build and install the exllamav3 wheel unless the stamp says this stack has it already."""
-    current = host.get_fact(Sha256File, path=stamp)
-    if current == hashlib.sha256(stack_key.encode()).hexdigest():
-        host.noop(f"exllamav3 built for {stack_key}")
+def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], arch: str,
+                    venv_dir: str, cuda_home: str, service_user: str, cache_dir: str,
+                    box_dir: str, source_dir: str, script: str, stamp: str,
+                    gib_per_job: float):
+    """The exllamav3 wheel of this box's stack, installed; built at most once per stack.
+
+    Converged (the stamp names this stack): nothing, unless the operator's cache lacks the wheel
+    and the box still has it (then it is copied back). Cache hit: upload, verify on the box,
+    install (no compiler runs). Cache miss: build on the box, verify, install, copy back. The
+    stamp is removed before and written after an install, so a failed install is retried."""
+    box = host.get_fact(Exllamav3Stack, venv_dir=venv_dir, cuda_home=cuda_home, stamp=stamp)
+    missing = [k for k in ("abi", "torch", "torch_cuda", "nvcc", "machine") if not box[k]]
+    if missing:
+        _fail(f"cannot key the exllamav3 wheel: {', '.join(missing)} not found "
+              f"(venv {venv_dir}, toolkit {cuda_home})")
+    key = wheel_cache.stack_key(version, ref, wheel_cache.patches_digest(patches), arch, box)
+    stack = wheel_cache.stack_id(key)
+    wheel = wheel_cache.wheel_name(version, box["abi"], box["machine"])
+    entry = wheel_cache.resolve(cache_dir) / "exllamav3" / stack
+    try:
+        cached = wheel_cache.cached_wheel(entry, wheel)
+    except wheel_cache.WheelCacheError as exc:
+        _fail(str(exc))
+    remote_dir = f"{box_dir}/{stack}"
+    remote_wheel = f"{remote_dir}/{wheel}"
+    copy_back = [
+        FunctionCommand(wheel_cache.prepare_entry, (str(entry),), {}),
+        FileDownloadCommand(remote_wheel, str(entry / f".{wheel}.download")),
+        FileDownloadCommand(f"{remote_wheel}.sha256", str(entry / f".{wheel}.sha256.download")),
+        FunctionCommand(wheel_cache.commit_entry, (str(entry), wheel, key), {}),
+    ]
+    if box["installed"] == key:
+        if cached or not host.get_fact(File, path=f"{remote_wheel}.sha256"):
+            host.noop(f"exllamav3 installed for stack {stack}")
+            return
+        yield from copy_back
         return
-    assignments = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
-    yield (f"env {assignments} STAMP={shlex.quote(stamp)} STACK_KEY={shlex.quote(stack_key)} "
-           f"sh {script}")
+
+    q_dir, q_wheel, q_stamp = shlex.quote(remote_dir), shlex.quote(wheel), shlex.quote(stamp)
+    if cached:
+        path, digest = cached
+        yield StringCommand("mkdir", "-p", remote_dir)
+        yield FileUploadCommand(str(path), f"{remote_wheel}.part")
+        yield (f"cd {q_dir} && if echo {shlex.quote(f'{digest}  {wheel}.part')} | "
+               f"sha256sum -c --quiet; then mv -f {q_wheel}.part {q_wheel} && "
+               f"echo {shlex.quote(f'{digest}  {wheel}')} > {q_wheel}.sha256; else "
+               f"rm -f {q_wheel}.part; echo 'uploaded {wheel} does not match the cache sha256 "
+               f"{digest}: not installed' >&2; exit 1; fi")
+    else:
+        env = {"GIT_URL": git_url, "REF": ref, "SRC": source_dir, "VENV": venv_dir,
+               "CUDA_HOME": cuda_home, "ARCH": arch, "GIB_PER_JOB": gib_per_job,
+               "OUT_DIR": remote_dir, "WHEEL": wheel,
+               "PATCHES": " ".join(f"{source_dir}-patches/{Path(p).name}" for p in patches)}
+        assignments = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
+        yield f"env {assignments} sh {shlex.quote(script)}"
+    # Verified on the box before pip sees it; the import check runs as the service user with no
+    # compiler on PATH and no CUDA_HOME: exllamav3_ext is the compiled module or nothing.
+    check = "import torch, exllamav3_ext; print(exllamav3_ext.__file__)"
+    yield (f"cd {q_dir} && if ! sha256sum -c --quiet {q_wheel}.sha256; then "
+           f"echo '{remote_wheel} fails its sha256: not installed' >&2; "
+           f"rm -f {q_wheel} {q_wheel}.sha256; exit 1; fi && rm -f {q_stamp} && "
+           f"{venv_dir}/bin/pip install -q --no-deps --force-reinstall {q_wheel} && "
+           f"runuser -u {shlex.quote(service_user)} -- env -i PATH=/usr/bin:/bin HOME=/tmp "
+           f"{venv_dir}/bin/python -c {shlex.quote(check)} && "
+           f"mkdir -p {shlex.quote(str(Path(stamp).parent))} && "
+           f"printf '%s\\n' {shlex.quote(key)} > {q_stamp}.tmp && mv {q_stamp}.tmp {q_stamp}")
+    if not cached:
+        yield from copy_back
 
 
 @operation()

@@ -1,27 +1,46 @@
-"""exllamav3: built on the box from the pinned git ref against the venv's torch, for this card's
-arch only, and installed --no-deps; skipped when this stack's wheel is installed already."""
+"""exllamav3: the compiled wheel for this box's card stack, built at most once per stack.
+
+The first box of a stack (exllamav3 ref + patches, Python ABI, torch + CUDA variant, nvcc, arch,
+distro) builds the wheel from the pinned git ref, for this card's arch only, and the deploy copies
+it back to the wheel cache on the operator's machine (`exllamav3_wheel_cache`, git-ignored).
+Every later box of that stack gets the cached wheel uploaded and installed `--no-deps`: no
+compiler runs. sha256 is checked before the upload and on the box before pip sees the file.
+
+Boxes of one stack deployed in the same run may each build (pyinfra runs hosts in parallel); the
+first wheel copied back is kept. Deploy one box first (`--limit`) to build once.
+"""
 
 from pyinfra import host
 from pyinfra.operations import files
 
-from donorkit.operations import exllamav3_wheel, git_checkout
+from donorkit.operations import exllamav3_wheel
 
-source = f"{host.data.install_root}/src/exllamav3"
-script = f"{host.data.install_root}/bin/build-exllamav3.sh"
+root = host.data.install_root
+source = f"{root}/src/exllamav3"
+script = f"{root}/bin/build-exllamav3.sh"
 
-git_checkout(
-    name=f"Check out exllamav3 {host.data.exllamav3_ref}",
-    url=host.data.exllamav3_git_url,
-    ref=host.data.exllamav3_ref,
-    dest=source,
-)
 files.put(name="Install the exllamav3 build script", src="files/build_exllamav3.sh",
           dest=script, mode="755")
+files.directory(name="Create the exllamav3 patch directory", path=f"{source}-patches",
+                mode="755")
+for patch in host.data.exllamav3_patches:
+    files.put(name=f"Install exllamav3 patch {patch}", src=patch,
+              dest=f"{source}-patches/{patch.rsplit('/', 1)[-1]}", mode="644")
 exllamav3_wheel(
-    name=f"Build and install exllamav3 for arch {host.data.card['arch']}",
+    name=f"exllamav3 {host.data.exllamav3_ref} for arch {host.data.card['arch']} "
+         "(cached wheel, else build)",
+    version=host.data.exllamav3_version,
+    ref=host.data.exllamav3_ref,
+    git_url=host.data.exllamav3_git_url,
+    patches=host.data.exllamav3_patches,
+    arch=host.data.card["arch"],
+    venv_dir=host.data.venv_dir,
+    cuda_home=host.data.cuda_home,
+    service_user=host.data.service_user,
+    cache_dir=host.data.exllamav3_wheel_cache,
+    box_dir=f"{root}/wheels",
+    source_dir=source,
     script=script,
-    stamp=f"{host.data.install_root}/state/exllamav3.stack",
-    stack_key=host.data.exllamav3_stack_key,
-    env={"SRC": source, "VENV": host.data.venv_dir, "CUDA_HOME": host.data.cuda_home,
-         "ARCH": host.data.card["arch"], "GIB_PER_JOB": host.data.exllamav3_gib_per_job},
+    stamp=f"{root}/state/exllamav3.stack",
+    gib_per_job=host.data.exllamav3_gib_per_job,
 )

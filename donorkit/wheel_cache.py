@@ -1,0 +1,176 @@
+"""The exllamav3 wheel cache: one wheel per card stack, built by the first box of that stack and
+kept on the operator's machine for every later box.
+
+A stack is everything that decides the compiled wheel: exllamav3's version, git ref and the patches
+applied to it (inventory data), and from the box (facts, read when the operation runs): the
+venv's Python ABI, torch's version with its CUDA variant, nvcc's release, the card's arch
+(data), the distro (glibc/libstdc++ the wheel links against) and the CPU architecture.
+
+Cache layout (on the operator's machine, under the git-ignored `exllamav3_wheel_cache`):
+
+    <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl
+    <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl.sha256
+    <cache>/exllamav3/<stack id>/stack.txt          (the stack key, for people)
+
+The sidecar is `sha256sum` output; it is checked before an upload (here) and after it (on the
+box, before pip sees the file). Entries are only ever created by rename, sidecar last, under a
+lock: a partial or corrupt download never becomes an entry.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shlex
+from pathlib import Path
+
+from pyinfra.api import FactBase
+
+from donorkit.facts import _sections
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class WheelCacheError(Exception):
+    """A cached wheel that must not be used; the message names the file."""
+
+
+class Exllamav3Stack(FactBase):
+    """What the box contributes to the exllamav3 stack key, and the stack it has installed.
+
+    Cheap: the Python ABI comes from the venv's pyvenv.cfg, torch's version from its version.py
+    (located with find_spec, which imports nothing), nvcc's release from `nvcc --version`.
+    """
+
+    def command(self, venv_dir: str, cuda_home: str, stamp: str) -> str:
+        venv = shlex.quote(venv_dir)
+        nvcc = shlex.quote(f"{cuda_home}/bin/nvcc")
+        find_torch = ("import importlib.util as u; s = u.find_spec('torch'); "
+                      "print(s.submodule_search_locations[0] if s else '')")
+        return (
+            f"echo @@python; sed -n 's/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/\\2/p' "
+            f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
+            f"echo @@torch; d=$({venv}/bin/python -c {shlex.quote(find_torch)} 2>/dev/null); "
+            "[ -n \"$d\" ] && sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" \"$d/version.py\"; "
+            "echo @@torch_cuda; [ -n \"$d\" ] && "
+            "sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" \"$d/version.py\"; "
+            f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version | "
+            "sed -n 's/.*release \\([0-9.]*\\),.*/\\1/p'; fi; "
+            "echo @@distro; (. /etc/os-release && echo \"$ID$VERSION_ID\" | tr -d .); "
+            "echo @@machine; uname -m; "
+            f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo"
+        )
+
+    def process(self, output: list[str]) -> dict:
+        sections = _sections(output)
+
+        def first(name: str) -> str | None:
+            return (sections.get(name) or [None])[0] or None
+
+        python = first("python")
+        return {"python": python,
+                "abi": f"cp{python.replace('.', '')}" if python else None,
+                "torch": first("torch"), "torch_cuda": first("torch_cuda"),
+                "nvcc": first("nvcc"), "distro": first("distro"), "machine": first("machine"),
+                "installed": first("installed")}
+
+
+def patches_digest(paths: list[str]) -> str:
+    """Short digest of the patch files' diffs, in order ('none' without patches)."""
+    if not paths:
+        return "none"
+    digest = hashlib.sha256()
+    for path in paths:
+        text = resolve(path).read_bytes()
+        start = text.find(b"diff ")  # the comment above the diff is not part of the build
+        digest.update(text[max(start, 0):])
+    return digest.hexdigest()[:12]
+
+
+def resolve(path: str) -> Path:
+    """A path on the operator's machine: relative ones are relative to the repo root."""
+    return (REPO_ROOT / Path(path).expanduser()).resolve()
+
+
+def stack_key(version: str, ref: str, patches: str, arch: str, box: dict) -> str:
+    """One line naming everything the wheel depends on."""
+    return (f"exllamav3-{version}@{ref}+patches-{patches} {box['abi']} torch-{box['torch']} "
+            f"cuda-{box['torch_cuda']} nvcc-{box['nvcc']} sm-{arch} {box['distro']} "
+            f"{box['machine']}")
+
+
+def stack_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def wheel_name(version: str, abi: str, machine: str) -> str:
+    """What setuptools names a CPython extension wheel built on Linux."""
+    return f"exllamav3-{version}-{abi}-{abi}-linux_{machine}.whl"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sidecar_sha256(sidecar: Path, wheel: str) -> str:
+    """The digest a `sha256sum` sidecar records for `wheel`."""
+    fields = sidecar.read_text().split()
+    if len(fields) != 2 or fields[1].lstrip("*") != wheel or len(fields[0]) != 64:
+        raise WheelCacheError(f"{sidecar}: not a sha256sum line for {wheel}")
+    return fields[0]
+
+
+def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
+    """(path, sha256) of a verified cached wheel; None when the entry is absent or incomplete
+    (no sidecar yet). A wheel that does not match its sidecar raises WheelCacheError."""
+    path, sidecar = entry_dir / wheel, entry_dir / f"{wheel}.sha256"
+    if not path.is_file() or not sidecar.is_file():
+        return None
+    want = sidecar_sha256(sidecar, wheel)
+    found = file_sha256(path)
+    if found != want:
+        raise WheelCacheError(
+            f"cached wheel {path} is corrupt: sha256 {found}, its sidecar says {want}; "
+            "delete that directory and run again (the next box of this stack rebuilds it)")
+    return path, want
+
+
+def prepare_entry(state: object, host: object, entry_dir: str) -> None:
+    """FunctionCommand: make the entry's directory (downloads land in it under temporary names)."""
+    Path(entry_dir).mkdir(parents=True, exist_ok=True)
+
+
+def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str) -> None:
+    """FunctionCommand: move a downloaded wheel and sidecar into the cache if they match.
+
+    The downloads are `.<wheel>.download` and `.<wheel>.sha256.download`; the wheel is renamed
+    into place first and the sidecar last, under a lock, so readers see a whole entry or none.
+    When two boxes of one stack built in the same run, the first entry stays and the second
+    download is dropped (both wheels are equally good; each was installed on its own box)."""
+    entry = Path(entry_dir)
+    tmp_wheel, tmp_sidecar = entry / f".{wheel}.download", entry / f".{wheel}.sha256.download"
+    try:
+        want = sidecar_sha256(tmp_sidecar, wheel)
+        found = file_sha256(tmp_wheel)
+        if found != want:
+            raise WheelCacheError(f"downloaded {wheel} from {getattr(host, 'name', 'the box')} "
+                                  f"has sha256 {found}, the box's sidecar says {want}: "
+                                  "not cached")
+        with (entry.parent / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if cached_wheel(entry, wheel):
+                    return
+            except WheelCacheError:
+                pass  # a corrupt entry is replaced by this verified one
+            (entry / "stack.txt").write_text(key + "\n")
+            os.replace(tmp_wheel, entry / wheel)
+            os.replace(tmp_sidecar, entry / f"{wheel}.sha256")
+    finally:
+        for leftover in (tmp_wheel, tmp_sidecar):
+            leftover.unlink(missing_ok=True)

@@ -1,0 +1,18 @@
+"""The lent GPU box as a pyinfra inventory over the @local connector: the donor entry of
+gpu/donors.yml (or $DONORS_FILE), loaded and validated by the same loader as the fleet.
+
+Usage (on that box, from the repo root): pyinfra -y gpu/inventory.py gpu/deploy.py
+"""
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from donorkit.inventory import fleet_or_exit  # noqa: E402
+
+_fleet = fleet_or_exit(os.environ.get("DONORS_FILE") or REPO_ROOT / "gpu/donors.yml",
+                      require_local_sources=False)
+device = [("@local", data) for data in _fleet.values()]

@@ -1,0 +1,199 @@
+"""The exllamav3 wheel cache: checksums at both ends, entries created whole or not at all, the
+stack key, the box fact (in a real shell), and the build script's all-or-nothing behaviour."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from donorkit import wheel_cache
+from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WHEEL = "exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl"
+BOX = {"python": "3.12", "abi": "cp312", "torch": "2.11.0+cu130", "torch_cuda": "13.0",
+       "nvcc": "13.0", "distro": "ubuntu2404", "machine": "x86_64", "installed": None}
+
+
+def put_entry(entry: Path, data: bytes, sidecar_data: bytes | None = None) -> Path:
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / WHEEL).write_bytes(data)
+    digest = hashlib.sha256(data if sidecar_data is None else sidecar_data).hexdigest()
+    (entry / f"{WHEEL}.sha256").write_text(f"{digest}  {WHEEL}\n")
+    return entry / WHEEL
+
+
+def test_verified_wheel_is_returned_with_its_digest(tmp_path: Path) -> None:
+    path = put_entry(tmp_path / "e", b"wheel")
+    assert wheel_cache.cached_wheel(tmp_path / "e", WHEEL) == (
+        path, hashlib.sha256(b"wheel").hexdigest())
+
+
+def test_absent_or_incomplete_entry_is_a_miss(tmp_path: Path) -> None:
+    assert wheel_cache.cached_wheel(tmp_path / "none", WHEEL) is None
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / WHEEL).write_bytes(b"no sidecar yet")
+    assert wheel_cache.cached_wheel(tmp_path / "e", WHEEL) is None
+
+
+def test_corrupt_cached_wheel_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = put_entry(tmp_path / "e", b"wheel, then a flipped bit", sidecar_data=b"wheel")
+    with pytest.raises(WheelCacheError, match=f"cached wheel {path} is corrupt"):
+        wheel_cache.cached_wheel(tmp_path / "e", WHEEL)
+
+
+def test_sidecar_for_another_file_is_refused(tmp_path: Path) -> None:
+    put_entry(tmp_path / "e", b"wheel")
+    (tmp_path / "e" / f"{WHEEL}.sha256").write_text(f"{'0' * 64}  other.whl\n")
+    with pytest.raises(WheelCacheError, match="not a sha256sum line for"):
+        wheel_cache.cached_wheel(tmp_path / "e", WHEEL)
+
+
+def download(entry: Path, data: bytes, sidecar_data: bytes | None = None) -> None:
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / f".{WHEEL}.download").write_bytes(data)
+    digest = hashlib.sha256(data if sidecar_data is None else sidecar_data).hexdigest()
+    (entry / f".{WHEEL}.sha256.download").write_text(f"{digest}  {WHEEL}\n")
+
+
+def test_verified_download_becomes_an_entry(tmp_path: Path) -> None:
+    entry = tmp_path / "exllamav3" / "id"
+    download(entry, b"built wheel")
+    wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
+    assert wheel_cache.cached_wheel(entry, WHEEL)[0].read_bytes() == b"built wheel"
+    assert (entry / "stack.txt").read_text() == "the key\n"
+    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
+
+
+def test_partial_download_never_enters_the_cache(tmp_path: Path) -> None:
+    entry = tmp_path / "exllamav3" / "id"
+    download(entry, b"built wh", sidecar_data=b"built wheel")
+    with pytest.raises(WheelCacheError, match=f"downloaded {WHEEL} .* not cached"):
+        wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
+    assert list(entry.iterdir()) == []  # the partial download is removed as well
+
+
+def test_second_build_of_a_stack_keeps_the_first_entry(tmp_path: Path) -> None:
+    entry = tmp_path / "exllamav3" / "id"
+    put_entry(entry, b"first box's wheel")
+    download(entry, b"second box's wheel")
+    wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
+    assert (entry / WHEEL).read_bytes() == b"first box's wheel"
+    assert not (entry / f".{WHEEL}.download").exists()
+
+
+def test_every_part_of_the_stack_changes_the_key() -> None:
+    base = wheel_cache.stack_key("1.5.1", "v1.5.1", "none", "8.9", BOX)
+    variants = [wheel_cache.stack_key("1.5.2", "v1.5.1", "none", "8.9", BOX),
+                wheel_cache.stack_key("1.5.1", "abc123", "none", "8.9", BOX),
+                wheel_cache.stack_key("1.5.1", "v1.5.1", "3a35ae3c7327", "8.9", BOX),
+                wheel_cache.stack_key("1.5.1", "v1.5.1", "none", "8.6", BOX)]
+    for field, value in [("abi", "cp311"), ("torch", "2.11.0+cu128"), ("torch_cuda", "12.8"),
+                         ("nvcc", "13.3"), ("distro", "debian12"), ("machine", "aarch64")]:
+        variants.append(wheel_cache.stack_key("1.5.1", "v1.5.1", "none", "8.9",
+                                              dict(BOX, **{field: value})))
+    ids = {wheel_cache.stack_id(key) for key in [base, *variants]}
+    assert len(ids) == len(variants) + 1
+
+
+def test_patch_comment_is_not_part_of_the_key(tmp_path: Path) -> None:
+    one, two = tmp_path / "one.patch", tmp_path / "two.patch"
+    one.write_text("why: one reason\n\ndiff --git a/x b/x\n+y\n")
+    two.write_text("why: better words\n\ndiff --git a/x b/x\n+y\n")
+    assert wheel_cache.patches_digest([str(one)]) == wheel_cache.patches_digest([str(two)])
+    assert wheel_cache.patches_digest([]) == "none"
+
+
+def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('the fact must not import torch')\n")
+    (fake / "version.py").write_text("__version__ = '2.11.0+cu130'\n"
+                                     "cuda: Optional[str] = '13.0'\n")
+    site = subprocess.run([str(venv / "bin/python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "fake-torch.pth").write_text(str(tmp_path / "site") + "\n")
+    cuda = tmp_path / "cuda-13.0" / "bin"
+    cuda.mkdir(parents=True)
+    (cuda / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    (cuda / "nvcc").chmod(0o755)
+    stamp = tmp_path / "exllamav3.stack"
+    stamp.write_text("the installed key\n")
+    fact = Exllamav3Stack()
+    command = fact.command(venv_dir=str(venv), cuda_home=str(cuda.parent), stamp=str(stamp))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    output = subprocess.run(["sh", "-c", command], check=True, capture_output=True, text=True,
+                            env=env).stdout.splitlines()
+    facts = fact.process(output)
+    assert facts["abi"] == f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert (facts["torch"], facts["torch_cuda"], facts["nvcc"]) == ("2.11.0+cu130", "13.0", "13.0")
+    assert facts["machine"] == os.uname().machine and facts["distro"]
+    assert facts["installed"] == "the installed key"
+
+
+def test_stack_fact_on_a_box_without_venv_or_toolkit(tmp_path: Path) -> None:
+    fact = Exllamav3Stack()
+    command = fact.command(venv_dir=str(tmp_path / "no-venv"), cuda_home=str(tmp_path / "none"),
+                           stamp=str(tmp_path / "no-stamp"))
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
+    facts = fact.process(output.splitlines())
+    assert [facts[k] for k in ("abi", "torch", "nvcc", "installed")] == [None] * 4
+
+
+def build_env(tmp_path: Path, pip_body: str) -> dict:
+    """A source repo tagged v1.5.1, a fake venv whose pip runs `pip_body`, and the script's env."""
+    src = tmp_path / "upstream"
+    src.mkdir()
+    (src / "setup.py").write_text("# stand-in\n")
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "s"], ["tag", "v1.5.1"]):
+        subprocess.run([*git, *args], check=True)
+    (tmp_path / "venv/bin").mkdir(parents=True)
+    pip = tmp_path / "venv/bin/pip"
+    pip.write_text(f"#!/bin/sh\n{pip_body}\n")
+    pip.chmod(0o755)
+    return dict(os.environ, GIT_URL=str(src), REF="v1.5.1", SRC=str(tmp_path / "box/src"),
+                VENV=str(tmp_path / "venv"), CUDA_HOME=str(tmp_path / "cuda"), ARCH="8.9",
+                GIB_PER_JOB="1.5", OUT_DIR=str(tmp_path / "box/wheels/id"), WHEEL=WHEEL,
+                PATCHES="")
+
+
+SCRIPT = str(REPO_ROOT / "files/build_exllamav3.sh")
+# The fake pip: `pip wheel ... --wheel-dir DIR .` writes a wheel into DIR (counting its runs).
+FAKE_BUILD = ('while [ "$1" != "--wheel-dir" ]; do shift; done; echo x >> "$(dirname "$0")/runs"; '
+              f'echo wheel > "$2/{WHEEL}"')
+
+
+def test_build_leaves_a_verified_wheel_and_is_not_repeated(tmp_path: Path) -> None:
+    env = build_env(tmp_path, FAKE_BUILD)
+    subprocess.run(["sh", SCRIPT], env=env, check=True, capture_output=True)
+    out = Path(env["OUT_DIR"])
+    assert wheel_cache.cached_wheel(out, WHEEL) is not None
+    again = subprocess.run(["sh", SCRIPT], env=env, check=True, capture_output=True, text=True)
+    assert "already built" in again.stdout
+    assert (tmp_path / "venv/bin/runs").read_text().count("x") == 1
+
+
+def test_failed_build_leaves_nothing_and_the_next_run_retries(tmp_path: Path) -> None:
+    env = build_env(tmp_path, "echo 'nvcc died' >&2; exit 1")
+    failed = subprocess.run(["sh", SCRIPT], env=env, capture_output=True)
+    assert failed.returncode != 0
+    assert list(Path(env["OUT_DIR"]).iterdir()) == []
+    (tmp_path / "venv/bin/pip").write_text(f"#!/bin/sh\n{FAKE_BUILD}\n")
+    subprocess.run(["sh", SCRIPT], env=env, check=True, capture_output=True)
+    assert wheel_cache.cached_wheel(Path(env["OUT_DIR"]), WHEEL) is not None
+
+
+def test_the_cxx20_patch_is_a_git_diff_with_its_reason() -> None:
+    text = (REPO_ROOT / "files/exllamav3-cxx20.patch").read_text()
+    reason, diff = text.split("diff --git", 1)
+    assert "PR #360" in reason and "C++17" in reason
+    assert '+    "-std=c++20",' in diff and "a/setup.py" in diff
