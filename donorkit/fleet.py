@@ -155,11 +155,6 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         retired_units=[f"vllm-{m}.service" for m in sorted(models) if m not in served],
     )
     data["vllm_executable"] = data["vllm_executable"].format(venv_dir=data["venv_dir"])
-    # Boxes with the same key need the identical exllamav3 wheel.
-    data["exllamav3_stack_key"] = (
-        f"exllamav3-{data['exllamav3_version']}@{data['exllamav3_ref']} "
-        f"torch-{data['torch_version']}@{card['pip_index_url']} cuda-{cuda} "
-        f"arch-{card['arch']} {data['venv_python']}")
     for field in ("ssh_key", "ssh_known_hosts_file"):
         if field in donor:  # relative paths are relative to the repo root, like everything else
             data[field] = str((REPO_ROOT / Path(donor[field]).expanduser()).resolve())

@@ -3,18 +3,20 @@ converged host reports zero changes, and each leaves nothing half-done when inte
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import shlex
 import tarfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import (
     FileDownloadCommand,
     FileUploadCommand,
     FunctionCommand,
-    OperationError,
     StringCommand,
     operation,
 )
@@ -37,9 +39,27 @@ APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
        "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold")
 
 
+class Refusal(Exception):
+    """Raised inside an operation: this host must not go on."""
+
+
 def _fail(message: str) -> None:
-    """Stop this host (only this one) with a message naming it."""
-    raise OperationError(f"{host.name}: {message}")
+    raise Refusal(f"{host.name}: {message}")
+
+
+def refusals_fail_the_host(func: Callable) -> Callable:
+    """Turn a Refusal into a command that fails with the message on the host's stderr. An
+    exception in an operation would abort the whole run; a failing command stops this host
+    only, and pyinfra carries on with the others (one broken box never stops the fleet)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Iterator:
+        try:
+            yield from func(*args, **kwargs)
+        except Refusal as refusal:
+            yield f"echo {shlex.quote(f'uncloseai: {refusal}')} >&2; exit 1"
+
+    return wrapper
 
 
 @operation()
@@ -80,6 +100,7 @@ def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
 
 
 @operation()
+@refusals_fail_the_host
 def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
     """Refuse to go on when the toolkit has no nvcc, or an nvcc of another release."""
     found = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir="/nonexistent")["nvcc"]
@@ -95,6 +116,7 @@ def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
 
 
 @operation()
+@refusals_fail_the_host
 def torch_matches_nvcc(cuda_home: str, venv_dir: str):
     """PyTorch's extension builder refuses an nvcc whose major differs from torch's CUDA."""
     stack = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)
@@ -174,6 +196,7 @@ def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMe
 
 
 @operation()
+@refusals_fail_the_host
 def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], arch: str,
                     venv_dir: str, cuda_home: str, service_user: str, cache_dir: str,
                     box_dir: str, source_dir: str, script: str, stamp: str,
@@ -279,6 +302,7 @@ def reloaded_service(unit: str, pending_marker: str):
 
 
 @operation()
+@refusals_fail_the_host
 def host_matches_inventory(supported_distros: list[str], card: dict, require_nvidia_smi: bool):
     """Refuse a box whose distro or GPU is not what the inventory says, before touching it."""
     profile = host.get_fact(HostProfile)

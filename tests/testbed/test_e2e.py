@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.testbed.hosts import Host, ssh, testbed
+from tests.testbed import hosts as bed
+from tests.testbed.hosts import Host, ssh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -33,7 +35,8 @@ TIMES: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[dict[str, Host]]:
-    with testbed(times=TIMES) as started:
+    shutil.rmtree(REPO_ROOT / ".testbed/wheel-cache", ignore_errors=True)
+    with bed.testbed(times=TIMES) as started:
         yield {h.name: h for h in started}
     print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
@@ -76,7 +79,7 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while proc.poll() is None and time.monotonic() - started < 1500:
-            if ssh(good, "pgrep -f 'vllm-venv/bin/pip install'", check=False).returncode == 0:
+            if ssh(good, "pgrep -f '[v]llm-venv/bin/pip install'", check=False).returncode == 0:
                 time.sleep(20)  # well into the download/unpack of vllm and torch
                 break
             time.sleep(1)
@@ -85,7 +88,7 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     # The controller died; its remote pip would be left running by sshd: end it as a crash would.
-    ssh(good, "pkill -9 -f 'vllm-venv/bin/pip' || true")
+    ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
     rc, report, stderr = deploy()
