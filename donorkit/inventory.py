@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+from donorkit import ssh_nodelay
 from donorkit.fleet import FleetError, load_fleet
+
+# Every deploy loads its inventory through here: that is where our SSH speed-up is switched on.
+# UNCLOSEAI_STOCK_SSH=1 leaves pyinfra's stock behaviour (the benchmark compares the two).
+if os.environ.get("UNCLOSEAI_STOCK_SSH") != "1":
+    ssh_nodelay.enable()
 
 
 def fleet_or_exit(donors_path: Path | str | None = None,
