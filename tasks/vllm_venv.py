@@ -14,7 +14,8 @@ index_args = " ".join([f"--index-url {card['pip_index_url']}",
 pip.venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
 pip.packages(
     name=f"Install vllm {host.data.vllm_version} and torch {host.data.torch_version}",
-    packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}"],
+    packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}",
+              *host.data.venv_build_packages],
     pip=f"{venv}/bin/pip",
     extra_install_args=index_args,
 )

@@ -52,9 +52,15 @@ def boot(name: str, ns: str) -> subprocess.Popen:
     """Start the container detached (own session): `up` from the CLI returns while hosts run on."""
     PIP_CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
+    # nspawn gives /tmp a small tmpfs; pip holds GBs of torch/CUDA wheels there before installing,
+    # as it would on a donor's disk-backed /tmp: give the host a disk-backed /tmp.
+    tmp = host_dir(name) / "tmp"
+    tmp.mkdir(exist_ok=True)
+    tmp.chmod(0o1777)
     cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit",
            f"--network-namespace-path=/run/netns/{ns}", f"--machine={name}",
            f"--directory={host_dir(name) / 'root'}", f"--bind={PIP_CACHE}:/root/.cache/pip",
+           f"--bind={tmp}:/tmp",
            "--resolv-conf=off", "--link-journal=no", "--console=read-only"]
     out = open(LOGS / f"{name}.console.log", "wb")
     # PID 1 of this machine is not systemd: --register=no --keep-unit keep nspawn off machined/dbus.
