@@ -29,7 +29,7 @@ REPO_URL = f"http://{GATEWAY}:8089/{REPO_PATH}"
 KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_DEB = "cuda-keyring_1.1-1_all.deb"
 LIST_FILE = "/etc/apt/sources.list.d/cuda-debian12-x86_64.list"
-BUILDER = "3"  # bump when the package layout below changes: cached debs are rebuilt
+BUILDER = "4"  # bump when the package layout below changes: cached debs are rebuilt
 
 # toolkit version -> (package version, wheels on PyPI); each wheel unpacks under nvidia/<dir>/.
 TOOLKITS: dict[str, tuple[str, list[str]]] = {
@@ -179,6 +179,8 @@ def _unpack_wheel(wheel: Path, prefix: Path) -> None:
             if rel.parts[0] == "lib":
                 rel = Path("lib64", *rel.parts[1:])
             mode = (info.external_attr >> 16) & 0o777 or 0o644
+            if mode & 0o111:  # the wheels ship rwxr--r--; NVIDIA's toolkit lets any user run nvcc
+                mode |= 0o111
             _put(prefix / rel, zf.read(info), mode | stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
 
 

@@ -41,21 +41,22 @@ def hosts() -> Iterator[dict[str, Host]]:
     print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
 
-def deploy(*extra: str, timeout: float = 3000) -> tuple[int, dict, str]:
-    """Run the real entry point; return (exit code, pyinfra's --json results, stderr)."""
+def deploy(*extra: str, timeout: float = 3000, want_json: bool = True) -> tuple[int, dict, str]:
+    """Run the real entry point; return (exit code, pyinfra's --json results, its log).
+    pyinfra prints no results when every host failed: then want_json=False."""
     started = time.monotonic()
     result = subprocess.run([str(BIN / "pyinfra"), "-y", "--json", *extra, "inventory/testbed.py",
                              "deploy.py"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=timeout)
     elapsed = time.monotonic() - started
-    payload = result.stdout[result.stdout.find("{"):]
-    try:
-        report = json.loads(payload)
-    except json.JSONDecodeError:
-        pytest.fail(f"pyinfra printed no JSON (rc {result.returncode}):\n{result.stdout[-3000:]}"
-                    f"\n{result.stderr[-3000:]}")
-    report["elapsed"] = elapsed
-    return result.returncode, report, result.stderr
+    output = result.stdout + result.stderr
+    report: dict = {"elapsed": elapsed}
+    start = result.stdout.find('{"plan"')
+    if start >= 0:
+        report.update(json.loads(result.stdout[start:]))
+    elif want_json:
+        pytest.fail(f"pyinfra printed no JSON (rc {result.returncode}):\n{output[-6000:]}")
+    return result.returncode, report, output
 
 
 def changed_ops(report: dict, host: str) -> list[str]:
@@ -91,19 +92,21 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
     ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
-    rc, report, stderr = deploy()
+    rc, report, log = deploy()
     TIMES["first converge"] = report["elapsed"]
-    assert failed_ops(report, GOOD) == [], stderr[-4000:]
-    assert report["results"]["failed_hosts"] == [BAD], stderr[-4000:]
+    assert failed_ops(report, GOOD) == [], log[-4000:]
+    assert report["results"]["failed_hosts"] == [BAD], log[-4000:]
     assert rc != 0  # one host failed
 
 
 def test_broken_host_stops_at_the_cuda_step_with_a_clear_message(hosts: dict[str, Host]) -> None:
-    rc, report, stderr = deploy("--limit", BAD)
-    assert report["results"]["failed_hosts"] == [BAD]
-    assert failed_ops(report, BAD) == ["Check nvcc 12.8 in /usr/local/cuda-12.8"]
-    assert (f"{BAD}: /usr/local/cuda-12.8/bin/nvcc is missing after installing "
-            "cuda-toolkit-12-8") in stderr
+    rc, report, output = deploy("--limit", BAD, want_json=False)
+    assert rc != 0
+    refusal = (f"[{BAD}] uncloseai: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing after "
+               "installing cuda-toolkit-12-8")
+    assert refusal in output, output[-4000:]
+    after = output[output.index(refusal):]
+    assert "Starting operation: tasks/build_tools.py" not in after, "it went on after the refusal"
     # Nothing after that step ran on it: no venv.
     assert ssh(hosts[BAD], "test -e /opt/uncloseai/vllm-venv", check=False).returncode != 0
 
@@ -112,9 +115,9 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     good = hosts[GOOD]
     before = unit_start(good, "vllm-qwen.service")
     caddy_before = unit_start(good, "caddy")
-    rc, report, stderr = deploy("--limit", GOOD)
+    rc, report, log = deploy("--limit", GOOD)
     TIMES["no-op re-run"] = report["elapsed"]
-    assert rc == 0, stderr[-4000:]
+    assert rc == 0, log[-4000:]
     assert changed_ops(report, GOOD) == []
     assert report["results"]["totals"]["success"] == 0
     assert unit_start(good, "vllm-qwen.service") == before
@@ -134,9 +137,10 @@ def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     outcomes = junit_outcomes(junit)
     good = {k: v for k, v in outcomes.items() if f"[{GOOD}" in k}
     bad = {k: v for k, v in outcomes.items() if f"[{BAD}" in k}
-    assert good and all(v in ("passed", "skipped") for v in good.values()), good
-    assert [k for k, v in good.items() if v == "skipped"] == [] or all(
-        "serving" not in k for k, v in good.items() if v == "skipped"), good
+    not_passed = {k: v for k, v in good.items() if v != "passed"}
+    # The only check a container cannot answer: there is no GPU to ask nvidia-smi about.
+    assert good and list(not_passed) == [f"test_gpu_is_the_inventory_card[{GOOD}]"], not_passed
+    assert not_passed[f"test_gpu_is_the_inventory_card[{GOOD}]"] == "skipped"
     nvcc_failures = [k for k, v in bad.items() if v == "failed" and "nvcc" in k]
     assert nvcc_failures, f"tb-3090's missing nvcc was not reported as a failure: {bad}"
 
@@ -191,8 +195,8 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     good = hosts[GOOD]
     ssh(good, "systemctl stop vllm-qwen.service; echo '# drift' >> /etc/caddy/Caddyfile; "
               "apt-get -q -y remove ninja-build >/dev/null")
-    rc, report, stderr = deploy("--limit", GOOD)
-    assert rc == 0, stderr[-4000:]
+    rc, report, log = deploy("--limit", GOOD)
+    assert rc == 0, log[-4000:]
     changed = changed_ops(report, GOOD)
     assert "Install build tools" in changed
     assert "Install /etc/caddy/Caddyfile" in changed
@@ -205,7 +209,7 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     # A dependency changed on disk (as when a run dies between pip and the restart).
     before = unit_start(good, "vllm-qwen.service")
     ssh(good, "mkdir /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/drift-0.dist-info")
-    rc, report, stderr = deploy("--limit", GOOD)
-    assert rc == 0, stderr[-4000:]
+    rc, report, log = deploy("--limit", GOOD)
+    assert rc == 0, log[-4000:]
     assert unit_start(good, "vllm-qwen.service") != before
     ssh(good, "rmdir /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/drift-0.dist-info")

@@ -322,7 +322,8 @@ def loggers_for_host(config: dict, hostname: str) -> list[dict]:
     logs = config.get("logging", {}).get("logs", {})
     names: list[str] = []
     for server in config.get("apps", {}).get("http", {}).get("servers", {}).values():
-        names += server.get("logs", {}).get("logger_names", {}).get(hostname, [])
+        found = server.get("logs", {}).get("logger_names", {}).get(hostname, [])
+        names += [found] if isinstance(found, str) else found  # 2.6: a name; 2.11: a list
     return [logs[n] for n in names if n in logs]
 
 
