@@ -29,14 +29,15 @@ from tests.testbed.hosts import Host, ssh
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors.yml"
-GOOD, BAD = "tb-4090", "tb-3090"
+GOOD, BAD, SECOND = "tb-4090", "tb-3090", "tb-4090b"
+HOSTS = [(GOOD, "10.213.0.11"), (BAD, "10.213.0.12"), (SECOND, "10.213.0.13")]
 TIMES: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[dict[str, Host]]:
     shutil.rmtree(REPO_ROOT / ".testbed/wheel-cache", ignore_errors=True)
-    with bed.testbed(times=TIMES) as started:
+    with bed.testbed(HOSTS, times=TIMES) as started:
         yield {h.name: h for h in started}
     print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
@@ -59,12 +60,18 @@ def deploy(*extra: str, timeout: float = 3000, want_json: bool = True) -> tuple[
     return result.returncode, report, output
 
 
+def _ops(report: dict, host: str, outcome: str) -> list[str]:
+    """Operation names (without pyinfra's "tasks/x.py | " prefix) with that outcome on host."""
+    return [op["name"].split(" | ", 1)[-1] for op in report["results"]["operations"]
+            if host in op[outcome]]
+
+
 def changed_ops(report: dict, host: str) -> list[str]:
-    return [op["name"] for op in report["results"]["operations"] if host in op["success"]]
+    return _ops(report, host, "success")
 
 
 def failed_ops(report: dict, host: str) -> list[str]:
-    return [op["name"] for op in report["results"]["operations"] if host in op["error"]]
+    return _ops(report, host, "error")
 
 
 def unit_start(host: Host, unit: str) -> str:
@@ -92,7 +99,7 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
     ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
-    rc, report, log = deploy()
+    rc, report, log = deploy("--exclude", SECOND)
     TIMES["first converge"] = report["elapsed"]
     assert failed_ops(report, GOOD) == [], log[-4000:]
     assert report["results"]["failed_hosts"] == [BAD], log[-4000:]
@@ -124,6 +131,22 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     assert unit_start(good, "caddy") == caddy_before
 
 
+def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> None:
+    """tb-4090 built exllamav3 and copied the wheel back; tb-4090b (same stack) must install
+    that wheel: no clone, no compiler."""
+    wheels = sorted((REPO_ROOT / ".testbed/wheel-cache").rglob("exllamav3-*.whl"))
+    assert len(wheels) == 1, wheels
+    rc, report, log = deploy("--limit", SECOND)
+    TIMES["second box (cache hit)"] = report["elapsed"]
+    assert rc == 0, log[-4000:]
+    assert "building v1.5.1" not in log and "exllamav3: building" not in log, log[-4000:]
+    second = hosts[SECOND]
+    assert ssh(second, "test -e /opt/uncloseai/src/exllamav3", check=False).returncode != 0
+    imported = ssh(second, "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
+                           "'import exllamav3_ext; print(exllamav3_ext.__file__)'").stdout
+    assert "exllamav3_ext" in imported
+
+
 def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     """tests/verify against both hosts: all green on tb-4090; tb-3090's missing nvcc reported."""
     started = time.monotonic()
@@ -135,12 +158,12 @@ def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     TIMES["verification"] = time.monotonic() - started
     print(result.stdout[-6000:])
     outcomes = junit_outcomes(junit)
-    good = {k: v for k, v in outcomes.items() if f"[{GOOD}" in k}
+    good = {k: v for k, v in outcomes.items() if f"[{GOOD}" in k or f"[{SECOND}" in k}
     bad = {k: v for k, v in outcomes.items() if f"[{BAD}" in k}
     not_passed = {k: v for k, v in good.items() if v != "passed"}
     # The only check a container cannot answer: there is no GPU to ask nvidia-smi about.
-    assert good and list(not_passed) == [f"test_gpu_is_the_inventory_card[{GOOD}]"], not_passed
-    assert not_passed[f"test_gpu_is_the_inventory_card[{GOOD}]"] == "skipped"
+    no_gpu = {f"test_gpu_is_the_inventory_card[{h}]": "skipped" for h in (GOOD, SECOND)}
+    assert good and not_passed == no_gpu, not_passed
     nvcc_failures = [k for k, v in bad.items() if v == "failed" and "nvcc" in k]
     assert nvcc_failures, f"tb-3090's missing nvcc was not reported as a failure: {bad}"
 

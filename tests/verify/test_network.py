@@ -11,9 +11,15 @@ from testinfra.host import Host
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
+def _need_ss(host: Host) -> None:
+    if not host.exists("ss"):
+        missing(host, "ss (iproute2) is not installed: the listening sockets cannot be listed")
+
+
 def _tcp_listeners(host: Host, port: int) -> list[str]:
     """Addresses listening on TCP `port`, from the FULL list (is_listening is also true for
     0.0.0.0 and ::, so it cannot prove loopback-only)."""
+    _need_ss(host)
     found = []
     for sock in host.socket.get_listening_sockets():
         if not sock.startswith("tcp://"):
@@ -45,6 +51,7 @@ def test_vllm_port_loopback_only(host: Host, m: dict) -> None:
 
 def test_only_caddy_on_public_port(host: Host, data: dict) -> None:
     port = data["caddy_https_port"]
+    _need_ss(host)
     out = host.check_output("ss -ltnpH")
     on_port = [(a, p, procs) for a, p, procs in listeners(out) if p == port]
     if not on_port:

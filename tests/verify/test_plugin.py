@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from boxcheck import venv_json
+from boxcheck import missing, venv_json
 from testinfra.host import Host
 
 # vLLM loads plugins through this entry point group.
@@ -34,6 +34,8 @@ def _plugin(host: Host, data: dict) -> dict:
     dist = data["vllm_exl3_plugin_dist"]
     found = venv_json(host, data["venv_dir"], INSPECT.replace("{dist!r}", repr(dist)),
                       f"inspect {dist}")
+    if found["found"] == 0:
+        missing(host, f"no distribution named {dist} in {data['venv_dir']}")
     assert found["found"] == 1, f"{found['found']} distributions named {dist} in the venv"
     return found
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from boxcheck import check, sass_archs, sm, venv_json
+from boxcheck import check, missing, sass_archs, sm, venv_json
 from testinfra.host import Host
 
-VERSIONS = ("import importlib.metadata as md, json; "
-            "print(json.dumps({d: md.version(d) for d in ('vllm', 'torch')}))")
+VERSIONS = ("import importlib.metadata as md, json\n"
+            "def version(name):\n"
+            "    try:\n        return md.version(name)\n"
+            "    except md.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({d: version(d) for d in ('vllm', 'torch')}))")
 TORCH_CUDA = "import json, torch; print(json.dumps(torch.version.cuda))"
 EXT = "import json, torch, exllamav3_ext; print(json.dumps(exllamav3_ext.__file__))"
 
@@ -21,11 +24,14 @@ def _base(version: str) -> str:
 
 def test_vllm_version(host: Host, data: dict) -> None:
     found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
+    if found["vllm"] is None:
+        missing(host, f"vllm is not installed in {data['venv_dir']}")
     assert found["vllm"] == data["vllm_version"]
 
 
 def test_torch_version(host: Host, data: dict) -> None:
     found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
+    assert found["torch"], f"torch is not installed in {data['venv_dir']}"
     assert _base(found["torch"]) == data["torch_version"], found["torch"]
 
 
