@@ -14,13 +14,15 @@ Usage: python3 gpu/exllamav3_source.py [DEST]     (default: .gpu/exllamav3-src, 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from donorkit.wheel_cache import file_sha256  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSION = "1.5.1"
@@ -97,19 +99,11 @@ setup(
 '''
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def download(into: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary",
                     ":all:", "-d", str(into), f"exllamav3=={VERSION}"], check=True)
     wheel = into / WHEEL
-    found = sha256(wheel)
+    found = file_sha256(wheel)
     if found != WHEEL_SHA256:
         raise SystemExit(f"{wheel}: sha256 {found}, expected {WHEEL_SHA256}: refusing it")
     return wheel
