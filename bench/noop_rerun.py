@@ -1,13 +1,19 @@
 """Benchmark (not a test): the deploy's no-op re-run on converged testbed hosts, ours vs stock.
 
-    .venv/bin/python -m bench.noop_rerun [--hosts 4] [--rounds 5] [--keep]
+    .venv/bin/python -m bench.noop_rerun [--hosts 4] [--rounds 5] [--baseline REV]
 
 Brings up N testbed hosts with the rtx4090 profile (tests/testbed/hosts.py), converges them with
 the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
-donors file), then alternates no-op re-runs of (a) our deploy and (b) the same deploy with our
-speed-ups off (UNCLOSEAI_STOCK_SSH=1: pyinfra's stock SSH, no TCP_NODELAY), at 1 host and at all
-hosts, and prints min/median/max wall time, the ratio a/b and remote commands per host (counted
-from pyinfra's --debug log). Every timed run must report zero changes, or the benchmark stops.
+donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
+  (a) ours:   this deploy;
+  (b) stock:  the same deploy with our speed-ups off (UNCLOSEAI_STOCK=all: every fact read is
+              its own remote command, pyinfra's stock SSH without TCP_NODELAY, pyinfra's stock
+              stack walk);
+  (c) before: the deploy as it was before issue 6's batching (git worktree of --baseline, with
+              pyinfra's own server.user, pip.packages, files.put/directory, DebPackages and
+              File + Sha256File), with pyinfra's stock SSH;
+and prints min/median/max wall time, the ratios and remote commands per host (counted from
+pyinfra's --debug log). Every timed run must report zero changes, or the benchmark stops.
 
 Then the same over a 50 ms round trip. `tc netem` is what the issue asks for, but this machine's
 kernel has no sch_netem ("Specified qdisc kind is unknown"), so a userspace relay on this machine
@@ -38,13 +44,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
+# The last commit before issue 6's batching: pyinfra's own operations and one fact per read.
+BASELINE = "11824dab3396b5f7108394f9a07d98211b0adf04"
 
 
 def donors_file(names: list[tuple[str, str]], path: Path,
                 relays: dict[str, int] | None = None) -> Path:
     """The testbed's donors file with N rtx4090 hosts (through relays when given)."""
     doc = yaml.safe_load(TEMPLATE.read_text())
+    # Absolute paths: the baseline worktree must use this checkout's PKI, caches and keys.
+    overrides = doc["overrides"]
+    for key in ("exllamav3_wheel_cache", "pki_dir"):
+        overrides[key] = str(REPO_ROOT / overrides[key])
+    overrides["vllm_exl3_plugin"]["path"] = str(REPO_ROOT / overrides["vllm_exl3_plugin"]["path"])
     model = doc["donors"]["tb-4090"]
+    for key in ("ssh_key", "ssh_known_hosts_file"):
+        model[key] = str(REPO_ROOT / model[key])
     doc["donors"] = {}
     for name, ip in names:
         entry = dict(model, ssh_host=ip, routes={f"{name}.ai.unturf.com": "qwen"})
@@ -56,20 +71,29 @@ def donors_file(names: list[tuple[str, str]], path: Path,
     return path
 
 
-def deploy(donors: Path, *extra: str, stock: bool = False,
+MODES = ("ours", "stock", "before")
+
+
+def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None = None,
            debug: bool = False) -> tuple[float, dict, str]:
     env = dict(os.environ, DONORS_FILE=str(donors))
-    if stock:
+    env.pop("UNCLOSEAI_STOCK", None)
+    env.pop("UNCLOSEAI_STOCK_SSH", None)
+    cwd = REPO_ROOT
+    if mode == "stock":
+        env["UNCLOSEAI_STOCK"] = "all"
+    elif mode == "before":
         env["UNCLOSEAI_STOCK_SSH"] = "1"
+        cwd = baseline
     args = [str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []), *extra,
             "inventory/gpus.py", "deploy.py"]
     started = time.perf_counter()
-    result = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
     elapsed = time.perf_counter() - started
     start = result.stdout.find('{"plan"')
     if result.returncode != 0 or start < 0:
-        raise SystemExit(f"deploy failed (rc {result.returncode}):\n"
+        raise SystemExit(f"deploy failed ({mode}, rc {result.returncode}):\n"
                          f"{(result.stdout + result.stderr)[-4000:]}")
     return elapsed, json.loads(result.stdout[start:]), result.stderr
 
@@ -85,12 +109,13 @@ def commands_per_host(log: str) -> dict[str, int]:
     return counts
 
 
-def series(donors: Path, extra: list[str], rounds: int) -> dict[str, list[float]]:
-    """Alternate ours/stock so drift on the machine hits both alike."""
-    times: dict[str, list[float]] = {"ours": [], "stock": []}
+def series(donors: Path, extra: list[str], rounds: int, modes: list[str],
+           baseline: Path | None) -> dict[str, list[float]]:
+    """Alternate the modes so drift on the machine hits them all alike."""
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(rounds):
-        for mode in ("ours", "stock"):
-            elapsed, report, _ = deploy(donors, *extra, stock=mode == "stock")
+        for mode in modes:
+            elapsed, report, _ = deploy(donors, *extra, mode=mode, baseline=baseline)
             if changes(report):
                 raise SystemExit(f"a no-op re-run changed something ({mode}): {report}")
             times[mode].append(elapsed)
@@ -98,25 +123,39 @@ def series(donors: Path, extra: list[str], rounds: int) -> dict[str, list[float]
 
 
 def summary(label: str, times: dict[str, list[float]], counts: dict[str, dict[str, int]]) -> None:
-    ours, stock = statistics.median(times["ours"]), statistics.median(times["stock"])
-    for mode in ("ours", "stock"):
-        values = times[mode]
+    for mode, values in times.items():
         per_host = sorted(set(counts[mode].values()))
         print(f"{label:<28} {mode:<6} min {min(values):6.2f} s  median "
               f"{statistics.median(values):6.2f} s  max {max(values):6.2f} s  "
               f"(n={len(values)}; remote commands per host: {per_host})")
-    print(f"{label:<28} ratio ours/stock (medians): {ours / stock:.2f}")
+    ours = statistics.median(times["ours"])
+    for mode in times:
+        if mode != "ours":
+            print(f"{label:<28} ratio ours/{mode} (medians): "
+                  f"{ours / statistics.median(times[mode]):.2f}")
 
 
-def measure(donors: Path, names: list[str], rounds: int, label: str) -> dict:
+def measure(donors: Path, names: list[str], rounds: int, label: str, modes: list[str],
+            baseline: Path | None) -> dict:
     results = {}
     for scope, extra in (("1 host", ["--limit", names[0]]), (f"{len(names)} hosts", [])):
-        counts = {mode: commands_per_host(deploy(donors, *extra, stock=mode == "stock",
-                                                 debug=True)[2]) for mode in ("ours", "stock")}
-        times = series(donors, extra, rounds)
+        counts = {mode: commands_per_host(deploy(donors, *extra, mode=mode, baseline=baseline,
+                                                 debug=True)[2]) for mode in modes}
+        times = series(donors, extra, rounds, modes, baseline)
         summary(f"{label}, {scope}", times, counts)
         results[scope] = {"times": times, "commands": counts}
+    one, all_hosts = (statistics.median(results[s]["times"]["ours"]) for s in results)
+    print(f"{label:<28} ours: {len(names)} hosts / 1 host (medians): {all_hosts / one:.2f}")
     return results
+
+
+def baseline_worktree(rev: str) -> Path:
+    path = WORK / "baseline"
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT,
+                   capture_output=True)
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO_ROOT,
+                   check=True, capture_output=True)
+    return path
 
 
 def main() -> int:
@@ -124,21 +163,32 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", default=BASELINE,
+                        help="commit of the deploy before the batching ('' to skip (c))")
     args = parser.parse_args()
     names = [("tb-4090", "10.213.0.11")] + [(f"tb-bench{i}", f"10.213.0.{20 + i}")
                                            for i in range(2, args.hosts + 1)]
+    modes = list(MODES if args.baseline else MODES[:2])
+    baseline = baseline_worktree(args.baseline) if args.baseline else None
     donors = donors_file(names, WORK / "bench-donors.yml")
-    with bed.testbed(names) as started:
-        elapsed, report, _ = deploy(donors)
-        print(f"converged {len(started)} hosts in {elapsed:.0f} s ({changes(report)} changes)")
-        local = measure(donors, [n for n, _ in names], args.rounds, "loopback network")
-        with Relay({n: (ip, 22) for n, ip in names}, delay_s=0.025) as relay:
-            known = (WORK / "known_hosts").read_text()
-            for name, ip in names:
-                known = known.replace(f"{ip} ", f"[127.0.0.1]:{relay.ports[name]} ")
-            (WORK / "known_hosts.relayed").write_text(known)
-            relayed = donors_file(names, WORK / "bench-donors-relayed.yml", relay.ports)
-            slow = measure(relayed, [n for n, _ in names], args.rounds, "50 ms round trip")
+    try:
+        with bed.testbed(names) as started:
+            elapsed, report, _ = deploy(donors)
+            print(f"converged {len(started)} hosts in {elapsed:.0f} s ({changes(report)} changes)")
+            local = measure(donors, [n for n, _ in names], args.rounds, "loopback network",
+                            modes, baseline)
+            with Relay({n: (ip, 22) for n, ip in names}, delay_s=0.025) as relay:
+                known = (WORK / "known_hosts").read_text()
+                for name, ip in names:
+                    known = known.replace(f"{ip} ", f"[127.0.0.1]:{relay.ports[name]} ")
+                (WORK / "known_hosts.relayed").write_text(known)
+                relayed = donors_file(names, WORK / "bench-donors-relayed.yml", relay.ports)
+                slow = measure(relayed, [n for n, _ in names], args.rounds, "50 ms round trip",
+                               modes, baseline)
+    finally:
+        if baseline:
+            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)],
+                           cwd=REPO_ROOT, capture_output=True)
     (WORK / "bench-noop.json").write_text(json.dumps({"loopback": local, "rtt50": slow},
                                                      indent=1))
     return 0

@@ -6,13 +6,31 @@ import os
 import sys
 from pathlib import Path
 
-from donorkit import ssh_nodelay
+from donorkit import op_order, prefetch, ssh_nodelay
 from donorkit.fleet import FleetError, load_fleet
 
-# Every deploy loads its inventory through here: that is where our SSH speed-up is switched on.
-# UNCLOSEAI_STOCK_SSH=1 leaves pyinfra's stock behaviour (the benchmark compares the two).
-if os.environ.get("UNCLOSEAI_STOCK_SSH") != "1":
-    ssh_nodelay.enable()
+SPEEDUPS = {"ssh": ssh_nodelay, "op_order": op_order, "snapshot": prefetch}
+
+
+def stock_behaviour(environ: dict[str, str]) -> set[str]:
+    """Which speed-ups to leave off: UNCLOSEAI_STOCK=all or a comma list of SPEEDUPS' names
+    (UNCLOSEAI_STOCK_SSH=1, the older switch, still means `ssh`). For the benchmark's stock
+    comparison; a deploy never needs it."""
+    names = {n.strip() for n in environ.get("UNCLOSEAI_STOCK", "").split(",") if n.strip()}
+    if "all" in names:
+        names = set(SPEEDUPS)
+    if environ.get("UNCLOSEAI_STOCK_SSH") == "1":
+        names.add("ssh")
+    unknown = names - set(SPEEDUPS)
+    if unknown:
+        raise SystemExit(f"UNCLOSEAI_STOCK: unknown {', '.join(sorted(unknown))} "
+                         f"(known: all, {', '.join(SPEEDUPS)})")
+    return names
+
+
+# Every deploy loads its inventory through here: that is where our speed-ups are switched on.
+for _name, _module in SPEEDUPS.items():
+    (_module.disable if _name in stock_behaviour(dict(os.environ)) else _module.enable)()
 
 
 def fleet_or_exit(donors_path: Path | str | None = None,

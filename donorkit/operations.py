@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import InvalidRequirement, Requirement
 from pyinfra import host
 from pyinfra.api import (
     FileDownloadCommand,
@@ -21,18 +22,22 @@ from pyinfra.api import (
     operation,
 )
 from pyinfra.api.operation import OperationMeta
-from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File, Sha256File
+from pyinfra.facts.files import File
 
 from donorkit import wheel_cache
 from donorkit.facts import (
     CudaStack,
+    DebStatus,
     EditableInstall,
     GitCheckout,
-    HostProfile,
+    PathStates,
     UnitState,
+    UserAccount,
+    VenvDistributions,
     digest_command,
+    normalized_name,
 )
+from donorkit.prefetch import read, reads
 from donorkit.wheel_cache import Exllamav3Stack
 
 APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
@@ -62,10 +67,11 @@ def refusals_fail_the_host(func: Callable) -> Callable:
     return wrapper
 
 
+@reads(lambda packages, **_: [(DebStatus, {"packages": packages})])
 @operation()
 def apt_install(packages: list[str]):
     """Install the missing packages; refresh the lists only when something is missing."""
-    installed = host.get_fact(DebPackages) or {}
+    installed = read(DebStatus, packages=packages)
     missing = [p for p in packages if p not in installed]
     if not missing:
         host.noop(f"installed: {' '.join(packages)}")
@@ -73,6 +79,7 @@ def apt_install(packages: list[str]):
     yield f"{APT} update -q && {APT} install -y -q {' '.join(map(shlex.quote, missing))}"
 
 
+@reads(lambda dest, **_: [(PathStates, {"paths": [dest], "digest": [dest]})])
 @operation()
 def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
                 group: str = "root", validate: str | None = None,
@@ -81,9 +88,9 @@ def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
     staged file) before it replaces the live one; `pending_marker` is touched before the swap so a
     reload that was due survives a run that dies right after it."""
     want = hashlib.sha256(content.encode()).hexdigest()
-    current = host.get_fact(File, path=dest)
-    if (current and host.get_fact(Sha256File, path=dest) == want
-            and f"{current['mode']}" == mode.lstrip("0")
+    current = read(PathStates, paths=[dest], digest=[dest]).get(dest, {})
+    if (current.get("type", "").startswith("regular") and current.get("sha256") == want
+            and current["mode"] == mode.lstrip("0")
             and (current["user"], current["group"]) == (user, group)):
         host.noop(f"{dest} is current")
         return
@@ -99,11 +106,81 @@ def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
     yield " && ".join(steps) + f" || {{ rc=$?; rm -f {staged}; exit $rc; }}"
 
 
+@reads(lambda paths, **_: [(PathStates, {"paths": paths})])
+@operation()
+@refusals_fail_the_host
+def directories(paths: list[str], user: str = "root", group: str = "root", mode: str = "755"):
+    """Directories with this owner and mode, all checked in one command."""
+    states = read(PathStates, paths=paths)
+    wrong = []
+    for path in paths:
+        state = states.get(path)
+        if state and state["type"] != "directory":
+            _fail(f"{path} exists and is a {state['type']}, not a directory")
+        if not state or (state["user"], state["group"], state["mode"]) != (
+                user, group, mode.lstrip("0")):
+            wrong.append(shlex.quote(path))
+    if not wrong:
+        host.noop(f"{len(paths)} directories in place")
+        return
+    listing = " ".join(wrong)
+    yield f"mkdir -p {listing} && chown {user}:{group} {listing} && chmod {mode} {listing}"
+
+
+@reads(lambda user, **_: [(UserAccount, {"user": user})])
+@operation()
+def system_user(user: str, home: str, shell: str):
+    """A system user with this home (created, owned by the user) and login shell."""
+    account = read(UserAccount, user=user)
+    q_user, q_home, q_shell = shlex.quote(user), shlex.quote(home), shlex.quote(shell)
+    if account is None:
+        # A group of that name left from an earlier user is reused, as useradd would refuse it.
+        yield (f"useradd --system --create-home --home-dir {q_home} --shell {q_shell} "
+               f"$(getent group {q_user} >/dev/null && echo --gid {q_user}) {q_user}")
+        return
+    changes = []
+    if account["home"] != home:
+        changes.append(f"--home {q_home}")
+    if account["shell"] != shell:
+        changes.append(f"--shell {q_shell}")
+    if changes:
+        yield f"usermod {' '.join(changes)} {q_user}"
+    if account["home"] != home or account["home_owner"] != user:
+        yield f"mkdir -p {q_home} && chown {q_user}: {q_home}"
+    if not changes and account["home_owner"] == user:
+        host.noop(f"user {user} is in place")
+
+
+@reads(lambda venv_dir, **_: [(VenvDistributions, {"venv_dir": venv_dir})])
+@operation()
+@refusals_fail_the_host
+def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = ""):
+    """Each requirement (`name==version` and the like) satisfied in the venv; pip installs them
+    all together when any is not, so its resolver sees the whole set."""
+    installed = read(VenvDistributions, venv_dir=venv_dir)
+    unmet = []
+    for spec in packages:
+        try:
+            requirement = Requirement(spec)
+        except InvalidRequirement as exc:
+            _fail(f"venv package {spec!r} is not a pip requirement: {exc}")
+        version = installed.get(normalized_name(requirement.name))
+        # `==2.11.0` accepts 2.11.0+cu130, as pip does: the index's local tag is not a mismatch.
+        if version is None or not requirement.specifier.contains(version, prereleases=True):
+            unmet.append(f"{requirement.name} ({version or 'absent'})")
+    if not unmet:
+        host.noop(f"{len(packages)} requirements met in {venv_dir}")
+        return
+    yield " ".join([f"{venv_dir}/bin/pip install -q", *filter(None, [extra_install_args]),
+                    *map(shlex.quote, packages)])
+
+
+@reads(lambda cuda_home, **_: [(CudaStack, {"cuda_home": cuda_home, "venv_dir": "/nonexistent"})])
 @operation()
 @refusals_fail_the_host
 def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
     """Refuse to go on when the toolkit has no nvcc, or an nvcc of another release."""
-    found = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir="/nonexistent")["nvcc"]
+    found = read(CudaStack, cuda_home=cuda_home, venv_dir="/nonexistent")["nvcc"]
     if found is None:
         _fail(f"{cuda_home}/bin/nvcc is missing after installing {package}: "
               "this toolkit cannot compile FlashInfer's JIT kernels or exllamav3")
@@ -115,11 +192,15 @@ def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
     yield  # an operation is a generator
 
 
+@reads(lambda cuda_home, venv_dir, **_: [(CudaStack, {
+    "cuda_home": cuda_home,
+    "venv_dir": venv_dir,
+})])
 @operation()
 @refusals_fail_the_host
 def torch_matches_nvcc(cuda_home: str, venv_dir: str):
     """PyTorch's extension builder refuses an nvcc whose major differs from torch's CUDA."""
-    stack = host.get_fact(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)
+    stack = read(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)
     if not stack["torch_cuda"]:
         _fail(f"torch in {venv_dir} reports no CUDA version (a CPU-only build?)")
     if not stack["nvcc"] or stack["nvcc"].split(".")[0] != stack["torch_cuda"].split(".")[0]:
@@ -131,10 +212,11 @@ def torch_matches_nvcc(cuda_home: str, venv_dir: str):
     yield
 
 
+@reads(lambda dest, ref, **_: [(GitCheckout, {"dest": dest, "ref": ref})])
 @operation()
 def git_checkout(url: str, ref: str, dest: str):
     """A clean checkout of `ref` (tag or commit) in `dest`, detached, cloned if absent."""
-    state = host.get_fact(GitCheckout, dest=dest, ref=ref)
+    state = read(GitCheckout, dest=dest, ref=ref)
     if state["head"] and state["head"] == state["ref"] and not state["dirty"]:
         host.noop(f"{dest} is at {ref}")
         return
@@ -169,12 +251,17 @@ def tree_archive(local_dir: Path) -> tuple[bytes, str]:
     return buffer.getvalue(), digest.hexdigest()
 
 
+@reads(lambda dest, **_: [(PathStates, {
+    "paths": [f"{dest}/.uncloseai-tree"],
+    "digest": [f"{dest}/.uncloseai-tree"],
+})])
 @operation()
 def source_tree(local_dir: str, dest: str):
     """Ship a directory from the operator's machine; swapped in whole, stamped with its digest."""
     archive, digest = tree_archive(Path(local_dir))
     stamp = f"{dest}/.uncloseai-tree"
-    if host.get_fact(Sha256File, path=stamp) == hashlib.sha256(digest.encode()).hexdigest():
+    state = read(PathStates, paths=[stamp], digest=[stamp]).get(stamp, {})
+    if state.get("sha256") == hashlib.sha256(digest.encode()).hexdigest():
         host.noop(f"{dest} matches {local_dir}")
         return
     tmp = f"{dest}.upload.tar.gz"
@@ -185,16 +272,25 @@ def source_tree(local_dir: str, dest: str):
            f"{{ [ ! -e {q} ] || mv {q} {q}.old; }} && mv {q}.new {q} && rm -rf {q}.old {tmp}")
 
 
+@reads(lambda venv_dir, source_dir, **_: [(EditableInstall, {
+    "venv_dir": venv_dir,
+    "source_dir": source_dir,
+})])
 @operation()
 def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMeta]):
     """`pip install --no-deps -e` unless already installed editable from there and unchanged."""
-    if not any(op.did_change() for op in reinstall) and host.get_fact(
+    if not any(op.did_change() for op in reinstall) and read(
             EditableInstall, venv_dir=venv_dir, source_dir=source_dir):
         host.noop(f"{source_dir} is installed editable")
         return
     yield f"{venv_dir}/bin/pip install -q --no-deps -e {shlex.quote(source_dir)}"
 
 
+@reads(lambda venv_dir, cuda_home, stamp, **_: [(Exllamav3Stack, {
+    "venv_dir": venv_dir,
+    "cuda_home": cuda_home,
+    "stamp": stamp,
+})])
 @operation()
 @refusals_fail_the_host
 def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], arch: str,
@@ -207,7 +303,7 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
     and the box still has it (then it is copied back). Cache hit: upload, verify on the box,
     install (no compiler runs). Cache miss: build on the box, verify, install, copy back. The
     stamp is removed before and written after an install, so a failed install is retried."""
-    box = host.get_fact(Exllamav3Stack, venv_dir=venv_dir, cuda_home=cuda_home, stamp=stamp)
+    box = read(Exllamav3Stack, venv_dir=venv_dir, cuda_home=cuda_home, stamp=stamp)
     missing = [k for k in ("abi", "torch", "torch_cuda", "nvcc", "machine") if not box[k]]
     if missing:
         _fail(f"cannot key the exllamav3 wheel: {', '.join(missing)} not found "
@@ -229,7 +325,7 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
         FunctionCommand(wheel_cache.commit_entry, (str(entry), wheel, key), {}),
     ]
     if box["installed"] == key:
-        if cached or not host.get_fact(File, path=f"{remote_wheel}.sha256"):
+        if cached or not read(File, path=f"{remote_wheel}.sha256"):
             host.noop(f"exllamav3 installed for stack {stack}")
             return
         yield from copy_back
@@ -267,12 +363,17 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
         yield from copy_back
 
 
+@reads(lambda unit, depends_on, record, **_: [(UnitState, {
+    "unit": unit,
+    "depends_on": depends_on,
+    "record": record,
+})])
 @operation()
 def vllm_service(unit: str, depends_on: list[str], record: str):
     """Enabled, running, and running what is on disk now. The digest of its dependencies
     (unit file, venv's distributions, plugin, exllamav3) is recorded at each start; a
     mismatch means a restart is due, including one that a failed run left undone."""
-    state = host.get_fact(UnitState, unit=unit, depends_on=depends_on, record=record)
+    state = read(UnitState, unit=unit, depends_on=depends_on, record=record)
     if state.get("NeedDaemonReload") == "yes" or state.get("LoadState") != "loaded":
         yield "systemctl daemon-reload"
     if state.get("UnitFileState") != "enabled":
@@ -286,11 +387,18 @@ def vllm_service(unit: str, depends_on: list[str], record: str):
            f"systemctl restart {unit} && mv {record}.tmp {record}")
 
 
+@reads(lambda unit, pending_marker, **_: [(UnitState, {
+    "unit": unit,
+    "depends_on": [],
+    "record": "/dev/null",
+    "present": pending_marker,
+})])
 @operation()
 def reloaded_service(unit: str, pending_marker: str):
     """Enabled and running; reloaded when a config swap left the marker behind."""
-    state = host.get_fact(UnitState, unit=unit, depends_on=[], record="/dev/null")
-    pending = host.get_fact(File, path=pending_marker)
+    state = read(UnitState, unit=unit, depends_on=[], record="/dev/null",
+                          present=pending_marker)
+    pending = state.get("Present") == "yes"
     if state.get("UnitFileState") != "enabled":
         yield f"systemctl enable {unit}"
     if state.get("ActiveState") != "active":
@@ -303,9 +411,10 @@ def reloaded_service(unit: str, pending_marker: str):
 
 @operation()
 @refusals_fail_the_host
-def host_matches_inventory(supported_distros: list[str], card: dict, require_nvidia_smi: bool):
-    """Refuse a box whose distro or GPU is not what the inventory says, before touching it."""
-    profile = host.get_fact(HostProfile)
+def host_matches_inventory(profile: dict, supported_distros: list[str], card: dict,
+                           require_nvidia_smi: bool):
+    """Refuse a box whose distro or GPU (`profile`: the HostProfile fact) is not what the
+    inventory says, before touching it."""
     if profile["distro"] not in supported_distros:
         _fail(f"distro {profile['distro'] or 'unknown'} is not supported "
               f"(supported: {', '.join(supported_distros)})")
@@ -327,10 +436,11 @@ def host_matches_inventory(supported_distros: list[str], card: dict, require_nvi
     yield
 
 
+@reads(lambda provides, **_: [(PathStates, {"paths": [provides]})])
 @operation()
 def deb_from_url(url: str, provides: str):
     """Install a .deb fetched from `url` unless the file it provides is already there."""
-    if host.get_fact(File, path=provides):
+    if read(PathStates, paths=[provides]).get(provides):
         host.noop(f"{provides} present")
         return
     tmp = f"/tmp/uncloseai-{hashlib.sha256(url.encode()).hexdigest()[:12]}.deb"
@@ -338,11 +448,18 @@ def deb_from_url(url: str, provides: str):
            f"{APT} install -y -q {tmp}; rc=$?; rm -f {tmp}; exit $rc")
 
 
+@reads(lambda unit, unit_path, **_: [(UnitState, {
+    "unit": unit,
+    "depends_on": [],
+    "record": "/dev/null",
+    "present": unit_path,
+})])
 @operation()
 def retired_unit(unit: str, unit_path: str):
     """Stop, disable and remove the unit of a model identity this box no longer serves."""
-    state = host.get_fact(UnitState, unit=unit, depends_on=[], record="/dev/null")
-    if not host.get_fact(File, path=unit_path) and state.get("LoadState") != "loaded":
+    state = read(UnitState, unit=unit, depends_on=[], record="/dev/null",
+                          present=unit_path)
+    if state.get("Present") != "yes" and state.get("LoadState") != "loaded":
         host.noop(f"{unit} is not installed")
         return
     yield (f"systemctl disable -q --now {unit} || true; rm -f {unit_path} && "

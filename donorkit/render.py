@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def systemd_env(key: str, value: object) -> str:
     return f'"{text}"' if any(c in text for c in " \t\"\\") else text
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
+    """One per process, so each template is compiled once, not once per host."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                              undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)

@@ -40,18 +40,17 @@ class Exllamav3Stack(FactBase):
     """What the box contributes to the exllamav3 stack key, and the stack it has installed.
 
     Cheap: the Python ABI comes from the venv's pyvenv.cfg, torch's version from its version.py
-    (located with find_spec, which imports nothing), nvcc's release from `nvcc --version`.
+    (found in the venv's site-packages, no Python started), nvcc's release from `nvcc --version`.
     """
 
     def command(self, venv_dir: str, cuda_home: str, stamp: str) -> str:
         venv = shlex.quote(venv_dir)
         nvcc = shlex.quote(f"{cuda_home}/bin/nvcc")
-        find_torch = ("import importlib.util as u; s = u.find_spec('torch'); "
-                      "print(s.submodule_search_locations[0] if s else '')")
         return (
             f"echo @@python; sed -n 's/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/\\2/p' "
             f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
-            f"echo @@torch; d=$({venv}/bin/python -c {shlex.quote(find_torch)} 2>/dev/null); "
+            f"echo @@torch; d=$(ls -d {venv}/lib/python3*/site-packages/torch 2>/dev/null "
+            "| head -1); "
             "[ -n \"$d\" ] && sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" \"$d/version.py\"; "
             "echo @@torch_cuda; [ -n \"$d\" ] && "
             "sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" \"$d/version.py\"; "

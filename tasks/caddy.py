@@ -4,7 +4,7 @@ loopback port. A new config is validated (as the caddy user) before it replaces 
 from pyinfra import host
 from pyinfra.operations import files
 
-from donorkit.operations import apt_install, config_file, reloaded_service
+from donorkit.operations import apt_install, config_file, directories, reloaded_service
 from donorkit.render import CADDYFILE, render_host
 
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
@@ -22,8 +22,8 @@ if host.data.caddy_source == "upstream":
     )
 apt_install(name="Install Caddy", packages=["caddy"])
 
-files.directory(name="Create the TLS directory", path=host.data.caddy_tls_dir, user="root",
-                group="caddy", mode="750")
+directories(name="Create the TLS directory", paths=[host.data.caddy_tls_dir], group="caddy",
+            mode="750")
 # `caddy validate` opens the log file: as root it would create it root-owned, locking caddy out.
 files.file(name="Create the access log", path=host.data.caddy_access_log, user="caddy",
            group="caddy", mode="640", create_remote_dir=True)

@@ -3,10 +3,10 @@ side by side under /usr/local/cuda-X.Y. Nothing here touches the floating /usr/l
 
 from pyinfra import host
 
-from donorkit.facts import HostProfile
+from donorkit.facts import host_profile
 from donorkit.operations import apt_install, config_file, deb_from_url, toolkit_compiler
 
-distro = host.get_fact(HostProfile)["distro"]
+distro = host_profile()["distro"]
 repo_url = host.data.cuda_repo_url.format(distro=distro).rstrip("/")
 
 apt_install(name="Install what fetching the CUDA keyring needs",

@@ -10,22 +10,22 @@ Boxes of one stack deployed in the same run may each build (pyinfra runs hosts i
 first wheel copied back is kept. Deploy one box first (`--limit`) to build once.
 """
 
-from pyinfra import host
-from pyinfra.operations import files
+from pathlib import Path
 
-from donorkit.operations import exllamav3_wheel
+from pyinfra import host
+
+from donorkit.operations import config_file, directories, exllamav3_wheel
 
 root = host.data.install_root
 source = f"{root}/src/exllamav3"
 script = f"{root}/bin/build-exllamav3.sh"
 
-files.put(name="Install the exllamav3 build script", src="files/build_exllamav3.sh",
-          dest=script, mode="755")
-files.directory(name="Create the exllamav3 patch directory", path=f"{source}-patches",
-                mode="755")
+config_file(name="Install the exllamav3 build script",
+            content=Path("files/build_exllamav3.sh").read_text(), dest=script, mode="755")
+directories(name="Create the exllamav3 patch directory", paths=[f"{source}-patches"])
 for patch in host.data.exllamav3_patches:
-    files.put(name=f"Install exllamav3 patch {patch}", src=patch,
-              dest=f"{source}-patches/{patch.rsplit('/', 1)[-1]}", mode="644")
+    config_file(name=f"Install exllamav3 patch {patch}", content=Path(patch).read_text(),
+                dest=f"{source}-patches/{Path(patch).name}")
 exllamav3_wheel(
     name=f"exllamav3 {host.data.exllamav3_ref} for arch {host.data.card['arch']} "
          "(cached wheel, else build)",

@@ -4,7 +4,7 @@ a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to b
 from pyinfra import host
 from pyinfra.operations import pip
 
-from donorkit.operations import torch_matches_nvcc
+from donorkit.operations import torch_matches_nvcc, venv_packages
 
 venv = host.data.venv_dir
 card = host.data.card
@@ -12,11 +12,11 @@ index_args = " ".join([f"--index-url {card['pip_index_url']}",
                        *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
 
 pip.venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
-pip.packages(
+venv_packages(
     name=f"Install vllm {host.data.vllm_version} and torch {host.data.torch_version}",
+    venv_dir=venv,
     packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}",
               *host.data.venv_build_packages],
-    pip=f"{venv}/bin/pip",
     extra_install_args=index_args,
 )
 torch_matches_nvcc(

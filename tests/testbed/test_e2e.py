@@ -217,8 +217,12 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     """A stopped unit, an edited Caddyfile and a removed package are each put right by a re-run;
     and a unit whose dependency changed while a run died is restarted by the next run."""
     good = hosts[GOOD]
+    # Each is checked through the run's one-command snapshot of the host (donorkit/prefetch.py).
     ssh(good, "systemctl stop vllm-qwen.service; echo '# drift' >> /etc/caddy/Caddyfile; "
-              "apt-get -q -y remove ninja-build >/dev/null")
+              "apt-get -q -y remove ninja-build >/dev/null; "
+              "/opt/uncloseai/vllm-venv/bin/pip uninstall -q -y wheel; "
+              "chmod 700 /opt/uncloseai/state; chmod 644 /opt/uncloseai/bin/build-exllamav3.sh; "
+              "usermod --shell /bin/bash fox")
     rc, report, log = deploy("--limit", GOOD)
     assert rc == 0, log[-4000:]
     changed = changed_ops(report, GOOD)
@@ -226,9 +230,19 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     assert "Install /etc/caddy/Caddyfile" in changed
     assert "Run Caddy with the current config" in changed
     assert any(name.startswith("Run vllm-qwen.service") for name in changed)
+    assert any(name.startswith("Install vllm ") for name in changed)
+    assert any(name.startswith("Create /opt/uncloseai and") for name in changed)
+    assert "Install the exllamav3 build script" in changed
+    assert "Create service user fox" in changed
     assert ssh(good, "systemctl is-active vllm-qwen.service caddy").stdout.split() == [
         "active", "active"]
     assert "# drift" not in ssh(good, "cat /etc/caddy/Caddyfile").stdout
+    assert ssh(good, "stat -c %a /opt/uncloseai/state /opt/uncloseai/bin/build-exllamav3.sh; "
+                     "getent passwd fox | cut -d: -f7; "
+                     "ls -d /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/wheel-*"
+               ).stdout.split() == ["755", "755", "/usr/sbin/nologin",
+                                    "/opt/uncloseai/vllm-venv/lib/python3.11/site-packages/"
+                                    "wheel-0.48.0.dist-info"]
 
     # A dependency changed on disk (as when a run dies between pip and the restart).
     before = unit_start(good, "vllm-qwen.service")

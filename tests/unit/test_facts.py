@@ -5,7 +5,18 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from donorkit.facts import CudaStack, EditableInstall, GitCheckout, HostProfile, digest_command
+from donorkit.facts import (
+    CudaStack,
+    DebStatus,
+    EditableInstall,
+    GitCheckout,
+    HostProfile,
+    PathStates,
+    UnitState,
+    UserAccount,
+    VenvDistributions,
+    digest_command,
+)
 
 
 def run(command: str) -> list[str]:
@@ -83,3 +94,55 @@ def test_dependency_digest_changes_with_content_and_presence(tmp_path: Path) -> 
     assert third != second
     unit.write_text("b")
     assert run(digest_command(paths)) != third
+
+
+def test_deb_status_names_only_installed_packages() -> None:
+    fact = DebStatus()
+    # dpkg itself is installed here; the second name is no package at all.
+    assert fact.process(run(fact.command(["dpkg", "no-such-package-uncloseai"]))) == {"dpkg"}
+    assert fact.process(["ii  git", "rc  caddy", "iU  ninja-build", "hi  curl"]) == {"git", "curl"}
+
+
+def test_path_states_reads_type_owner_mode_and_digest_in_one_command(tmp_path: Path) -> None:
+    conf, folder = tmp_path / "x.conf", tmp_path / "bin"
+    conf.write_text("hello\n")
+    conf.chmod(0o640)
+    folder.mkdir()
+    folder.chmod(0o750)
+    (tmp_path / "link").symlink_to(conf)
+    paths = [str(conf), str(folder), str(tmp_path / "link"), str(tmp_path / "absent")]
+    fact = PathStates()
+    states = fact.process(run(fact.command(paths, digest=[str(conf), str(tmp_path / "absent")])))
+    assert set(states) == {str(conf), str(folder), str(tmp_path / "link")}
+    assert states[str(conf)] == {
+        "type": "regular file", "user": "root", "group": "root", "mode": "640",
+        "sha256": "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03"}
+    assert states[str(folder)]["type"] == "directory" and states[str(folder)]["mode"] == "750"
+    assert states[str(tmp_path / "link")]["type"] == "symbolic link"
+
+
+def test_user_account_reads_passwd_and_home_owner(tmp_path: Path) -> None:
+    fact = UserAccount()
+    root = fact.process(run(fact.command("root")))
+    assert root == {"home": "/root", "shell": root["shell"], "home_owner": "root"}
+    assert fact.process(run(fact.command("no-such-user-uncloseai"))) is None
+
+
+def test_venv_distributions_from_dist_info_names(tmp_path: Path) -> None:
+    site = tmp_path / "venv/lib/python3.11/site-packages"
+    for name in ("torch-2.11.0+cu130.dist-info", "typing_extensions-4.16.0.dist-info",
+                 "PyYAML-6.0.4.dist-info", "torch", "exllamav3_ext.so"):
+        (site / name).mkdir(parents=True)
+    fact = VenvDistributions()
+    assert fact.process(run(fact.command(str(tmp_path / "venv")))) == {
+        "torch": "2.11.0+cu130", "typing-extensions": "4.16.0", "pyyaml": "6.0.4"}
+    assert fact.process(run(fact.command(str(tmp_path / "absent")))) == {}
+
+
+def test_unit_state_reports_a_present_file(tmp_path: Path) -> None:
+    marker = tmp_path / "reload-pending"
+    fact = UnitState()
+    command = fact.command("no-such.service", [], "/dev/null", present=str(marker))
+    assert "Present" not in fact.process(run(command))
+    marker.touch()
+    assert fact.process(run(command))["Present"] == "yes"

@@ -112,15 +112,14 @@ def test_patch_comment_is_not_part_of_the_key(tmp_path: Path) -> None:
 def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    fake = tmp_path / "site" / "torch"
+    site = subprocess.run([str(venv / "bin/python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    fake = Path(site) / "torch"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('the fact must not import torch')\n")
     (fake / "version.py").write_text("__version__ = '2.11.0+cu130'\n"
                                      "cuda: Optional[str] = '13.0'\n")
-    site = subprocess.run([str(venv / "bin/python"), "-c",
-                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "fake-torch.pth").write_text(str(tmp_path / "site") + "\n")
     cuda = tmp_path / "cuda-13.0" / "bin"
     cuda.mkdir(parents=True)
     (cuda / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")

@@ -1,0 +1,92 @@
+"""The run's snapshot: one command for a host's declared facts, used only while the run has
+changed nothing on that host; after that every read is a fresh remote command again."""
+
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+
+from pyinfra.context import ctx_host
+
+from donorkit import prefetch
+from donorkit.facts import PathStates, UnitState
+from donorkit.prefetch import Snapshot
+
+
+def run(command: str) -> list[str]:
+    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    return result.stdout.splitlines()
+
+
+def test_snapshot_keeps_each_command_output_and_status_apart() -> None:
+    fact = Snapshot()
+    commands = ["echo a; echo b", "echo lost >&2; false", "true", "cd /; echo x"]
+    assert fact.process(run(fact.command(commands))) == [
+        (0, ["a", "b"]), (1, []), (0, []), (0, ["x"])]
+
+
+class FakeHost:
+    """A host of a running deploy: its executed operations and every remote fact read."""
+
+    def __init__(self, name: str, snapshot_output: list[str]) -> None:
+        self.name = name
+        self.snapshot_output = snapshot_output
+        self.reads: list[str] = []
+        self.state = SimpleNamespace(ops={self: {}})
+
+    def get_fact(self, fact: type, **kwargs: object) -> object:
+        self.reads.append(fact.__name__)
+        if fact is Snapshot:
+            return Snapshot().process(self.snapshot_output)
+        return {"fresh": True}
+
+    def run_operation(self, changed: bool) -> None:
+        meta = SimpleNamespace(executed=changed)
+        self.state.ops[self][f"op{len(self.state.ops[self])}"] = SimpleNamespace(
+            operation_meta=meta)
+
+
+def declare(paths: list[str], unit: str) -> None:
+    """What an operation decorated with @reads does when the deploy calls it."""
+    prefetch.reads(lambda **_: [(PathStates, {"paths": paths}),
+                                (UnitState, {"unit": unit, "depends_on": [],
+                                             "record": "/dev/null"})])(lambda **_: None)()
+
+
+def test_reads_come_from_one_snapshot_until_the_run_changes_the_host() -> None:
+    mark = "@@uncloseai-snapshot"
+    output = [mark, "directory|root|root|755|/opt/u", f"{mark} 0",
+              mark, "ActiveState=active", f"{mark} 0"]
+    box = FakeHost("snapshot-box", output)
+    with ctx_host.use(box):
+        declare(["/opt/u"], "caddy")
+        box.run_operation(changed=False)
+        assert prefetch.read(PathStates, paths=["/opt/u"]) == {
+            "/opt/u": {"type": "directory", "user": "root", "group": "root", "mode": "755"}}
+        assert prefetch.read(UnitState, unit="caddy", depends_on=[], record="/dev/null") == {
+            "ActiveState": "active"}
+        assert box.reads == ["Snapshot"]
+        # Not declared: read on its own.
+        assert prefetch.read(PathStates, paths=["/etc"]) == {"fresh": True}
+        # An operation ran a command here: what the snapshot says may be stale now.
+        box.run_operation(changed=True)
+        assert prefetch.read(PathStates, paths=["/opt/u"]) == {"fresh": True}
+        assert box.reads == ["Snapshot", "PathStates", "PathStates"]
+
+
+def test_a_failed_or_missing_section_is_read_again_on_its_own() -> None:
+    mark = "@@uncloseai-snapshot"
+    box = FakeHost("failing-box", [mark, f"{mark} 1"])  # second section never printed
+    with ctx_host.use(box):
+        declare(["/opt/v"], "vllm-qwen.service")
+        assert prefetch.read(PathStates, paths=["/opt/v"]) == {"fresh": True}
+        assert prefetch.read(UnitState, unit="vllm-qwen.service", depends_on=[],
+                             record="/dev/null") == {"fresh": True}
+        assert box.reads == ["Snapshot", "PathStates", "UnitState"]
+
+
+def test_a_host_without_declarations_reads_as_pyinfra_does() -> None:
+    box = FakeHost("plain-box", [])
+    with ctx_host.use(box):
+        assert prefetch.read(PathStates, paths=["/x"]) == {"fresh": True}
+    assert box.reads == ["PathStates"]
