@@ -127,6 +127,33 @@ def directories(paths: list[str], user: str = "root", group: str = "root", mode:
     yield f"mkdir -p {listing} && chown {user}:{group} {listing} && chmod {mode} {listing}"
 
 
+@reads(lambda path, user, group, mode, **_: [(PathStates, {"paths": [path]})])
+@operation()
+@refusals_fail_the_host
+def owned_file(path: str, user: str, group: str, mode: str):
+    """A file (created empty, its content is not ours: a log) with this owner and mode."""
+    state = read(PathStates, paths=[path]).get(path)
+    if state and not state["type"].startswith("regular"):
+        _fail(f"{path} exists and is a {state['type']}, not a file")
+    if state and (state["user"], state["group"], state["mode"]) == (user, group, mode.lstrip("0")):
+        host.noop(f"{path} in place")
+        return
+    q = shlex.quote(path)
+    yield (f"mkdir -p {shlex.quote(str(Path(path).parent))} && touch {q} && "
+           f"chown {user}:{group} {q} && chmod {mode} {q}")
+
+
+@reads(lambda path, **_: [(PathStates, {"paths": [f"{path}/bin/activate"]})])
+@operation()
+def python_venv(path: str, python: str):
+    """A venv made by `python -m venv` (again, in place, when bin/activate is missing: venv
+    writes it last, so a venv whose creation was interrupted is completed)."""
+    if read(PathStates, paths=[f"{path}/bin/activate"]):
+        host.noop(f"venv {path} present")
+        return
+    yield f"{shlex.quote(python)} -m venv {shlex.quote(path)}"
+
+
 @reads(lambda user, **_: [(UserAccount, {"user": user})])
 @operation()
 def system_user(user: str, home: str, shell: str):

@@ -4,7 +4,13 @@ loopback port. A new config is validated (as the caddy user) before it replaces 
 from pyinfra import host
 from pyinfra.operations import files
 
-from donorkit.operations import apt_install, config_file, directories, reloaded_service
+from donorkit.operations import (
+    apt_install,
+    config_file,
+    directories,
+    owned_file,
+    reloaded_service,
+)
 from donorkit.render import CADDYFILE, render_host
 
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
@@ -25,8 +31,8 @@ apt_install(name="Install Caddy", packages=["caddy"])
 directories(name="Create the TLS directory", paths=[host.data.caddy_tls_dir], group="caddy",
             mode="750")
 # `caddy validate` opens the log file: as root it would create it root-owned, locking caddy out.
-files.file(name="Create the access log", path=host.data.caddy_access_log, user="caddy",
-           group="caddy", mode="640", create_remote_dir=True)
+owned_file(name="Create the access log", path=host.data.caddy_access_log, user="caddy",
+           group="caddy", mode="640")
 
 for rendered in render_host(host.data.dict()):
     if not rendered.path.startswith(("/etc/caddy/",)):

@@ -14,17 +14,19 @@ from pathlib import Path
 
 from pyinfra import host
 
+from donorkit.fleet import REPO_ROOT
 from donorkit.operations import config_file, directories, exllamav3_wheel
+from donorkit.wheel_cache import resolve
 
 root = host.data.install_root
 source = f"{root}/src/exllamav3"
 script = f"{root}/bin/build-exllamav3.sh"
 
 config_file(name="Install the exllamav3 build script",
-            content=Path("files/build_exllamav3.sh").read_text(), dest=script, mode="755")
+            content=(REPO_ROOT / "files/build_exllamav3.sh").read_text(), dest=script, mode="755")
 directories(name="Create the exllamav3 patch directory", paths=[f"{source}-patches"])
 for patch in host.data.exllamav3_patches:
-    config_file(name=f"Install exllamav3 patch {patch}", content=Path(patch).read_text(),
+    config_file(name=f"Install exllamav3 patch {patch}", content=resolve(patch).read_text(),
                 dest=f"{source}-patches/{Path(patch).name}")
 exllamav3_wheel(
     name=f"exllamav3 {host.data.exllamav3_ref} for arch {host.data.card['arch']} "

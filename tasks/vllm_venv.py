@@ -2,16 +2,15 @@
 a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to build otherwise)."""
 
 from pyinfra import host
-from pyinfra.operations import pip
 
-from donorkit.operations import torch_matches_nvcc, venv_packages
+from donorkit.operations import python_venv, torch_matches_nvcc, venv_packages
 
 venv = host.data.venv_dir
 card = host.data.card
 index_args = " ".join([f"--index-url {card['pip_index_url']}",
                        *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
 
-pip.venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
+python_venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
 venv_packages(
     name=f"Install vllm {host.data.vllm_version} and torch {host.data.torch_version}",
     venv_dir=venv,

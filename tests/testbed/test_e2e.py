@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -123,11 +124,17 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     good = hosts[GOOD]
     before = unit_start(good, "vllm-qwen.service")
     caddy_before = unit_start(good, "caddy")
-    rc, report, log = deploy("--limit", GOOD)
+    rc, report, log = deploy("--limit", GOOD, "--debug")
     TIMES["no-op re-run"] = report["elapsed"]
     assert rc == 0, log[-4000:]
     assert changed_ops(report, GOOD) == []
     assert report["results"]["totals"]["success"] == 0
+    # Checked in full, in two remote commands: the host profile (read while the deploy loads)
+    # and the snapshot of every operation's facts (donorkit/prefetch.py). More means an
+    # operation reads a fact it did not declare with @reads, or one was added without it.
+    commands = re.findall(r"Running command on \S+: \(pty=\w+\) (.{0,60})", log)
+    assert len(commands) == 2, commands
+    assert "@@uncloseai-snapshot" in commands[1]
     assert unit_start(good, "vllm-qwen.service") == before
     assert unit_start(good, "caddy") == caddy_before
 
