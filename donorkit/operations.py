@@ -37,7 +37,7 @@ from donorkit.facts import (
     digest_command,
     normalized_name,
 )
-from donorkit.prefetch import read, reads
+from donorkit.prefetch import Request, read, read_request, reads
 from donorkit.wheel_cache import Exllamav3Stack
 
 APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
@@ -414,17 +414,16 @@ def vllm_service(unit: str, depends_on: list[str], record: str):
            f"systemctl restart {unit} && mv {record}.tmp {record}")
 
 
-@reads(lambda unit, pending_marker, **_: [(UnitState, {
-    "unit": unit,
-    "depends_on": [],
-    "record": "/dev/null",
-    "present": pending_marker,
-})])
+def _unit_and_file(unit: str, path: str) -> Request:
+    """A unit's state and whether `path` exists, in one command."""
+    return UnitState, {"unit": unit, "depends_on": [], "record": "/dev/null", "present": path}
+
+
+@reads(lambda unit, pending_marker, **_: [_unit_and_file(unit, pending_marker)])
 @operation()
 def reloaded_service(unit: str, pending_marker: str):
     """Enabled and running; reloaded when a config swap left the marker behind."""
-    state = read(UnitState, unit=unit, depends_on=[], record="/dev/null",
-                          present=pending_marker)
+    state = read_request(_unit_and_file(unit, pending_marker))
     pending = state.get("Present") == "yes"
     if state.get("UnitFileState") != "enabled":
         yield f"systemctl enable {unit}"
@@ -475,17 +474,11 @@ def deb_from_url(url: str, provides: str):
            f"{APT} install -y -q {tmp}; rc=$?; rm -f {tmp}; exit $rc")
 
 
-@reads(lambda unit, unit_path, **_: [(UnitState, {
-    "unit": unit,
-    "depends_on": [],
-    "record": "/dev/null",
-    "present": unit_path,
-})])
+@reads(lambda unit, unit_path, **_: [_unit_and_file(unit, unit_path)])
 @operation()
 def retired_unit(unit: str, unit_path: str):
     """Stop, disable and remove the unit of a model identity this box no longer serves."""
-    state = read(UnitState, unit=unit, depends_on=[], record="/dev/null",
-                          present=unit_path)
+    state = read_request(_unit_and_file(unit, unit_path))
     if state.get("Present") != "yes" and state.get("LoadState") != "loaded":
         host.noop(f"{unit} is not installed")
         return

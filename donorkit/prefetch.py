@@ -84,6 +84,12 @@ def read(fact: type[FactBase], **kwargs: Any) -> Any:
     return host.get_fact(fact, **kwargs)
 
 
+def read_request(request: Request) -> Any:
+    """`read` of a (fact, kwargs) pair, as `@reads` declares them."""
+    fact, kwargs = request
+    return read(fact, **kwargs)
+
+
 def _host_changed() -> bool:
     """Whether an operation of this run has executed a command on the current host."""
     return any(data.operation_meta.executed for data in host.state.ops[ctx_host.get()].values())
