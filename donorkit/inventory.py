@@ -6,10 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-from donorkit import op_order, prefetch, ssh_nodelay
+from donorkit import op_overhead, prefetch, ssh_nodelay
 from donorkit.fleet import FleetError, load_fleet
 
-SPEEDUPS = {"ssh": ssh_nodelay, "op_order": op_order, "snapshot": prefetch}
+SPEEDUPS = {"ssh": ssh_nodelay, "op_overhead": op_overhead, "snapshot": prefetch}
 
 
 def stock_behaviour(environ: dict[str, str]) -> set[str]:

@@ -13,7 +13,8 @@ def test_nothing_is_stock_by_default() -> None:
 
 def test_all_a_list_and_the_older_ssh_switch() -> None:
     assert stock_behaviour({"UNCLOSEAI_STOCK": "all"}) == set(SPEEDUPS)
-    assert stock_behaviour({"UNCLOSEAI_STOCK": "snapshot, op_order"}) == {"snapshot", "op_order"}
+    assert stock_behaviour({"UNCLOSEAI_STOCK": "snapshot, op_overhead"}) == {"snapshot",
+                                                                           "op_overhead"}
     assert stock_behaviour({"UNCLOSEAI_STOCK_SSH": "1"}) == {"ssh"}
 
 
