@@ -126,12 +126,11 @@ def _quoted(paths: list[str]) -> str:
 
 
 class DebStatus(FactBase):
-    """Which of `packages` dpkg has installed: asks for those names only, where pyinfra's
-    DebPackages lists every package on the box (and is read again by each install step)."""
+    """The packages dpkg has installed, by name. One read serves every install step of a run
+    (through the snapshot); `dpkg-query` prints two fields a package, less than `dpkg -l`."""
 
-    def command(self, packages: list[str]) -> str:
-        return (f"dpkg-query -W -f='${{db:Status-Abbrev}} ${{Package}}\\n' {_quoted(packages)} "
-                "2>/dev/null; true")
+    def command(self) -> str:
+        return "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n'"
 
     def process(self, output: list[str]) -> set[str]:
         # Status-Abbrev's second letter is the state: `i` installed; c, n, U, H, F, W, t not (yet).

@@ -67,11 +67,11 @@ def refusals_fail_the_host(func: Callable) -> Callable:
     return wrapper
 
 
-@reads(lambda packages, **_: [(DebStatus, {"packages": packages})])
+@reads(lambda **_: [(DebStatus, {})])
 @operation()
 def apt_install(packages: list[str]):
     """Install the missing packages; refresh the lists only when something is missing."""
-    installed = read(DebStatus, packages=packages)
+    installed = read(DebStatus)
     missing = [p for p in packages if p not in installed]
     if not missing:
         host.noop(f"installed: {' '.join(packages)}")
@@ -202,12 +202,16 @@ def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = 
                     *map(shlex.quote, packages)])
 
 
-@reads(lambda cuda_home, **_: [(CudaStack, {"cuda_home": cuda_home, "venv_dir": "/nonexistent"})])
+@reads(lambda cuda_home, venv_dir, **_: [(CudaStack, {
+    "cuda_home": cuda_home,
+    "venv_dir": venv_dir,
+})])
 @operation()
 @refusals_fail_the_host
-def toolkit_compiler(cuda_home: str, cuda_version: str, package: str):
-    """Refuse to go on when the toolkit has no nvcc, or an nvcc of another release."""
-    found = read(CudaStack, cuda_home=cuda_home, venv_dir="/nonexistent")["nvcc"]
+def toolkit_compiler(cuda_home: str, cuda_version: str, package: str, venv_dir: str):
+    """Refuse to go on when the toolkit has no nvcc, or an nvcc of another release. (Read with
+    the venv the torch check reads, so on a converged box one snapshot section serves both.)"""
+    found = read(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)["nvcc"]
     if found is None:
         _fail(f"{cuda_home}/bin/nvcc is missing after installing {package}: "
               "this toolkit cannot compile FlashInfer's JIT kernels or exllamav3")

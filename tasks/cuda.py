@@ -28,4 +28,5 @@ toolkit_compiler(
     cuda_home=host.data.cuda_home,
     cuda_version=host.data.cuda_version,
     package=host.data.cuda_package,
+    venv_dir=host.data.venv_dir,
 )
