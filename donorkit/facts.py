@@ -73,6 +73,10 @@ def digest_command(paths: list[str]) -> str:
     return f"{{ ls -d {listing}; cat {listing}; }} 2>/dev/null | sha256sum | cut -c1-64"
 
 
+_UNIT_MARK = "@@uncloseai-unit"
+_UNIT_PROPERTIES = "-p LoadState -p ActiveState -p UnitFileState -p NeedDaemonReload"
+
+
 class UnitState(FactBase):
     """A unit's load/active/enabled state, whether systemd wants a daemon-reload, the digest of
     what it depends on as it is on disk now, the digest recorded when it was last started, and
@@ -80,9 +84,12 @@ class UnitState(FactBase):
 
     def command(self, unit: str, depends_on: list[str], record: str,
                 present: str | None = None) -> str:
-        command = (f"systemctl show {shlex.quote(unit)} -p LoadState -p ActiveState "
-                   f"-p UnitFileState -p NeedDaemonReload; "
-                   f"echo OnDisk=$({digest_command(depends_on)}); "
+        return (f"systemctl show {shlex.quote(unit)} {_UNIT_PROPERTIES}; "
+                + self._files(depends_on, record, present))
+
+    @staticmethod
+    def _files(depends_on: list[str], record: str, present: str | None = None) -> str:
+        command = (f"echo OnDisk=$({digest_command(depends_on)}); "
                    f"echo Recorded=$(cat {shlex.quote(record)} 2>/dev/null)")
         if present:
             command += f"; [ ! -e {shlex.quote(present)} ] || echo Present=yes"
@@ -90,6 +97,30 @@ class UnitState(FactBase):
 
     def process(self, output: list[str]) -> dict[str, str]:
         return dict(line.split("=", 1) for line in output if "=" in line)
+
+    # Batched (donorkit/prefetch.py): one `systemctl show` for every unit of a snapshot saves
+    # a systemctl start and its bus connection per unit (about 5 ms of host CPU each).
+    def batch_command(self, requests: list[dict]) -> str:
+        units = " ".join(shlex.quote(kwargs["unit"]) for kwargs in requests)
+        files = "; ".join(f"echo {_UNIT_MARK}; {self._files(**_without(kwargs, 'unit'))}"
+                          for kwargs in requests)
+        return f"systemctl show {units} {_UNIT_PROPERTIES}; {files}"
+
+    def batch_process(self, output: list[str], requests: list[dict]) -> list[dict[str, str]]:
+        """Each request's value, as `process` gives it for that request's own command.
+        systemctl prints one block a unit, in the order asked, blocks apart by a blank line."""
+        cut = [i for i, line in enumerate(output) if line == _UNIT_MARK]
+        shown = "\n".join(output[:cut[0]] if cut else output).split("\n\n")
+        if len(cut) != len(requests) or len(shown) != len(requests):
+            raise ValueError("systemctl show did not print one block per unit")
+        ends = [*cut[1:], len(output)]
+        files = [output[start + 1:end] for start, end in zip(cut, ends, strict=True)]
+        return [self.process(block.splitlines() + lines)
+                for block, lines in zip(shown, files, strict=True)]
+
+
+def _without(kwargs: dict, name: str) -> dict:
+    return {key: value for key, value in kwargs.items() if key != name}
 
 
 class EditableInstall(FactBase):
@@ -164,6 +195,24 @@ class PathStates(FactBase):
 
     def default(self) -> dict[str, dict]:
         return {}
+
+    # Batched (donorkit/prefetch.py): one `stat` and one `sha256sum` for every path of a
+    # snapshot instead of one or two programs started per operation.
+    def batch_command(self, requests: list[dict]) -> str:
+        paths = [path for kwargs in requests for path in kwargs["paths"]]
+        digest = [path for kwargs in requests for path in kwargs.get("digest") or []]
+        return self.command(list(dict.fromkeys(paths)), list(dict.fromkeys(digest)))
+
+    def batch_process(self, output: list[str], requests: list[dict]) -> list[dict[str, dict]]:
+        """Each request's value, as `process` gives it for that request's own command."""
+        states = self.process(output)
+        values = []
+        for kwargs in requests:
+            digest = set(kwargs.get("digest") or [])
+            values.append({path: dict(states[path]) if path in digest
+                           else _without(states[path], "sha256")
+                           for path in kwargs["paths"] if path in states})
+        return values
 
 
 class UserAccount(FactBase):

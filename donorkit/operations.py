@@ -317,11 +317,10 @@ def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMe
     yield f"{venv_dir}/bin/pip install -q --no-deps -e {shlex.quote(source_dir)}"
 
 
-@reads(lambda venv_dir, cuda_home, stamp, **_: [(Exllamav3Stack, {
-    "venv_dir": venv_dir,
-    "cuda_home": cuda_home,
-    "stamp": stamp,
-})])
+@reads(lambda venv_dir, cuda_home, stamp, **_: [
+    (Exllamav3Stack, {"venv_dir": venv_dir, "stamp": stamp}),
+    (CudaStack, {"cuda_home": cuda_home, "venv_dir": venv_dir}),
+])
 @operation()
 @refusals_fail_the_host
 def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], arch: str,
@@ -334,7 +333,8 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
     and the box still has it (then it is copied back). Cache hit: upload, verify on the box,
     install (no compiler runs). Cache miss: build on the box, verify, install, copy back. The
     stamp is removed before and written after an install, so a failed install is retried."""
-    box = read(Exllamav3Stack, venv_dir=venv_dir, cuda_home=cuda_home, stamp=stamp)
+    box = {**read(Exllamav3Stack, venv_dir=venv_dir, stamp=stamp),
+           **read(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)}
     missing = [k for k in ("abi", "torch", "torch_cuda", "nvcc", "machine") if not box[k]]
     if missing:
         _fail(f"cannot key the exllamav3 wheel: {', '.join(missing)} not found "

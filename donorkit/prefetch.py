@@ -4,11 +4,13 @@ pyinfra reads each fact with its own remote command when the operation that need
 keeps no fact cache; on a converged host every one of those reads is a round trip that finds
 nothing to do. Our operations declare, when the deploy is loaded, which facts they will read
 (`@reads`). At a host's first fact read the run takes a snapshot: every declared fact's own
-command, run in one shell, each parsed by its own `process`. An operation gets its fact from
-that snapshot for as long as this run has changed nothing on the host; from the first operation
-that ran a command there, every read is a fresh remote command again (`read`). So a converged
-host is still checked in full, by the same commands, at the start of the run; nothing is
-assumed. Operations must read their facts before they yield their first command.
+command, run in one shell, each parsed by its own `process` (a fact with `batch_command` and
+`batch_process` answers all its requests in one command, each value the same as its own read
+would give). An operation gets its fact from that snapshot for as long as this run has changed
+nothing on the host; from the first operation that ran a command there, every read is a fresh
+remote command again (`read`). So a converged host is still checked in full, by the same
+programs, at the start of the run; nothing is assumed. Operations must read their facts before
+they yield their first command.
 """
 
 from __future__ import annotations
@@ -121,14 +123,49 @@ def _current_snapshot() -> dict[str, Any] | None:
 
 
 def _take_snapshot(requests: list[tuple[str, Request]]) -> dict[str, Any]:
-    commands = [fact().command(**kwargs) for _, (fact, kwargs) in requests]
-    sections = host.get_fact(Snapshot, commands=commands)
+    sections = _sections(requests)
+    outputs = host.get_fact(Snapshot, commands=[command for command, _ in sections])
     snapshot: dict[str, Any] = {}
-    for (key, (fact, _)), (status, lines) in zip(requests, sections, strict=False):
+    for (_, values), (status, lines) in zip(sections, outputs, strict=False):
         if status != 0:
             continue  # read again on its own when needed, so pyinfra reports the failure
-        try:  # as pyinfra does: no output means the fact's default
-            snapshot[key] = fact().process(lines) if lines else fact().default()
+        try:
+            snapshot.update(values(lines))
         except Exception:  # noqa: BLE001 - the same: a fresh read reports it pyinfra's way
             continue
     return snapshot
+
+
+Section = tuple[str, Callable[[list[str]], dict[str, Any]]]  # command, output -> {key: value}
+
+
+def _sections(requests: list[tuple[str, Request]]) -> list[Section]:
+    """One section per request, except that the requests of a fact with `batch_command` share
+    one (PathStates: one stat for every path; UnitState: one systemctl for every unit)."""
+    by_fact: dict[type[FactBase], list[tuple[str, dict[str, Any]]]] = {}
+    for key, (fact, kwargs) in requests:
+        by_fact.setdefault(fact, []).append((key, kwargs))
+    sections: list[Section] = []
+    for fact, group in by_fact.items():
+        if hasattr(fact, "batch_command") and len(group) > 1:
+            sections.append(_batched_section(fact, group))
+        else:
+            sections.extend(_single_section(fact, key, kwargs) for key, kwargs in group)
+    return sections
+
+
+def _single_section(fact: type[FactBase], key: str, kwargs: dict[str, Any]) -> Section:
+    def values(lines: list[str]) -> dict[str, Any]:
+        # As pyinfra does: no output means the fact's default.
+        return {key: fact().process(lines) if lines else fact().default()}
+
+    return fact().command(**kwargs), values
+
+
+def _batched_section(fact: type[FactBase], group: list[tuple[str, dict[str, Any]]]) -> Section:
+    keys, kwargs_list = [key for key, _ in group], [kwargs for _, kwargs in group]
+
+    def values(lines: list[str]) -> dict[str, Any]:
+        return dict(zip(keys, fact().batch_process(lines, kwargs_list), strict=True))
+
+    return fact().batch_command(kwargs_list), values

@@ -37,25 +37,21 @@ class WheelCacheError(Exception):
 
 
 class Exllamav3Stack(FactBase):
-    """What the box contributes to the exllamav3 stack key, and the stack it has installed.
+    """What the box contributes to the exllamav3 stack key, besides nvcc's release and torch's
+    CUDA version (CudaStack, read once for this and the toolkit checks), and the stack it has
+    installed.
 
     Cheap: the Python ABI comes from the venv's pyvenv.cfg, torch's version from its version.py
-    (found in the venv's site-packages, no Python started), nvcc's release from `nvcc --version`.
+    (found in the venv's site-packages, no Python started).
     """
 
-    def command(self, venv_dir: str, cuda_home: str, stamp: str) -> str:
+    def command(self, venv_dir: str, stamp: str) -> str:
         venv = shlex.quote(venv_dir)
-        nvcc = shlex.quote(f"{cuda_home}/bin/nvcc")
         return (
             f"echo @@python; sed -n 's/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/\\2/p' "
             f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
-            f"echo @@torch; d=$(ls -d {venv}/lib/python3*/site-packages/torch 2>/dev/null "
-            "| head -1); "
-            "[ -n \"$d\" ] && sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" \"$d/version.py\"; "
-            "echo @@torch_cuda; [ -n \"$d\" ] && "
-            "sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" \"$d/version.py\"; "
-            f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version | "
-            "sed -n 's/.*release \\([0-9.]*\\),.*/\\1/p'; fi; "
+            f"echo @@torch; cat {venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null "
+            "| sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\"; "
             "echo @@distro; (. /etc/os-release && echo \"$ID$VERSION_ID\" | tr -d .); "
             "echo @@machine; uname -m; "
             f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo"
@@ -70,8 +66,7 @@ class Exllamav3Stack(FactBase):
         python = first("python")
         return {"python": python,
                 "abi": f"cp{python.replace('.', '')}" if python else None,
-                "torch": first("torch"), "torch_cuda": first("torch_cuda"),
-                "nvcc": first("nvcc"), "distro": first("distro"), "machine": first("machine"),
+                "torch": first("torch"), "distro": first("distro"), "machine": first("machine"),
                 "installed": first("installed")}
 
 

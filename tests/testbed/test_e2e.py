@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from donorkit.facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
@@ -137,6 +139,30 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     assert "@@uncloseai-snapshot" in commands[1]
     assert unit_start(good, "vllm-qwen.service") == before
     assert unit_start(good, "caddy") == caddy_before
+
+
+def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) -> None:
+    """On real systemd: the snapshot's one systemctl for all units and one stat for all paths
+    (donorkit/prefetch.py) give each request what its own command gives."""
+    good = hosts[GOOD]
+
+    def remote(command: str) -> list[str]:
+        return ssh(good, f"sh -c {shlex.quote(command)}").stdout.splitlines()
+
+    units = [{"unit": "vllm-qwen.service", "record": "/dev/null",
+              "depends_on": ["/etc/systemd/system/vllm-qwen.service"]},
+             {"unit": "vllm-hermes.service", "depends_on": [], "record": "/dev/null"},
+             {"unit": "caddy", "depends_on": ["/etc/caddy/Caddyfile"], "record": "/dev/null",
+              "present": "/etc/caddy/Caddyfile"}]
+    paths = [{"paths": ["/etc/caddy/Caddyfile", "/opt/uncloseai"],
+              "digest": ["/etc/caddy/Caddyfile"]},
+             {"paths": ["/etc/caddy/Caddyfile", "/opt/uncloseai/absent"]}]
+    for fact, requests in ((UnitState(), units), (PathStates(), paths)):
+        batched = fact.batch_process(remote(fact.batch_command(requests)), requests)
+        assert batched == [fact.process(remote(fact.command(**kw))) for kw in requests]
+    states = UnitState().batch_process(remote(UnitState().batch_command(units)), units)
+    assert [s["ActiveState"] for s in states] == ["active", "inactive", "active"]
+    assert [s["LoadState"] for s in states] == ["loaded", "not-found", "loaded"]
 
 
 def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> None:

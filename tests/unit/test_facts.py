@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from donorkit.facts import (
     CudaStack,
     DebStatus,
@@ -146,3 +148,48 @@ def test_unit_state_reports_a_present_file(tmp_path: Path) -> None:
     assert "Present" not in fact.process(run(command))
     marker.touch()
     assert fact.process(run(command))["Present"] == "yes"
+
+
+def test_path_states_batched_answers_each_request_as_its_own_read(tmp_path: Path) -> None:
+    """The snapshot's one stat + sha256sum for many requests (donorkit/prefetch.py) must give
+    each request exactly what its own command gives: its paths only, sha256 only if asked."""
+    conf, key, folder = tmp_path / "x.conf", tmp_path / "x.key", tmp_path / "bin"
+    conf.write_text("hello\n")
+    key.write_text("secret\n")
+    folder.mkdir()
+    absent = str(tmp_path / "absent")
+    requests = [{"paths": [str(conf)], "digest": [str(conf)]},
+                {"paths": [str(conf), str(folder), absent]},  # same file, no digest asked
+                {"paths": [str(key), absent], "digest": [str(key), absent]},
+                {"paths": [absent]}]
+    fact = PathStates()
+    batched = fact.batch_process(run(fact.batch_command(requests)), requests)
+    alone = [fact.process(run(fact.command(**kwargs))) for kwargs in requests]
+    assert batched == alone
+    assert "sha256" in batched[0][str(conf)] and "sha256" not in batched[1][str(conf)]
+    assert batched[3] == {}
+
+
+def test_unit_state_batched_answers_each_unit_or_refuses() -> None:
+    """One `systemctl show` for many units: each unit's value is what its own command gives.
+    Without systemd as PID 1 (this machine) systemctl prints nothing: the batch must refuse
+    (the snapshot then reads each unit on its own) rather than answer with missing states.
+    Against real systemd the batch is also checked on the testbed (tests/testbed/test_e2e.py)."""
+    requests = [{"unit": "caddy", "depends_on": [], "record": "/dev/null"},
+                {"unit": "vllm-qwen.service", "depends_on": [], "record": "/dev/null"}]
+    fact = UnitState()
+    output = run(fact.batch_command(requests))
+    assert output.count("@@uncloseai-unit") == 2
+    if Path("/run/systemd/system").exists():  # systemd runs here
+        assert fact.batch_process(output, requests) == [
+            fact.process(run(fact.command(**kwargs))) for kwargs in requests]
+    else:
+        with pytest.raises(ValueError, match="one block per unit"):
+            fact.batch_process(output, requests)
+    shown = ["LoadState=loaded", "ActiveState=active", "", "LoadState=not-found",
+             "ActiveState=inactive", "@@uncloseai-unit", "OnDisk=a", "Recorded=a",
+             "@@uncloseai-unit", "OnDisk=b", "Recorded=", "Present=yes"]
+    assert fact.batch_process(shown, requests) == [
+        {"LoadState": "loaded", "ActiveState": "active", "OnDisk": "a", "Recorded": "a"},
+        {"LoadState": "not-found", "ActiveState": "inactive", "OnDisk": "b", "Recorded": "",
+         "Present": "yes"}]

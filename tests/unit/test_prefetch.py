@@ -90,3 +90,30 @@ def test_a_host_without_declarations_reads_as_pyinfra_does() -> None:
     with ctx_host.use(box):
         assert prefetch.read(PathStates, paths=["/x"]) == {"fresh": True}
     assert box.reads == ["PathStates"]
+
+
+def test_requests_of_a_batched_fact_share_one_section() -> None:
+    """Two operations' PathStates in one stat: one section, each answered with its own paths;
+    if that section fails, each is read again on its own."""
+    mark = "@@uncloseai-snapshot"
+    stat = ["directory|root|root|755|/opt/a", "regular file|fox|fox|644|/opt/b"]
+    box = FakeHost("batching-box", [mark, *stat, f"{mark} 0"])
+    with ctx_host.use(box):
+        prefetch.reads(lambda **_: [(PathStates, {"paths": ["/opt/a"]}),
+                                    (PathStates, {"paths": ["/opt/b", "/opt/c"]})])(
+            lambda **_: None)()
+        sections = prefetch._sections(list(prefetch._declared["batching-box"].items()))
+        assert len(sections) == 1
+        command = sections[0][0]
+        assert command.count("stat ") == 1 and "/opt/a" in command and "/opt/c" in command
+        assert prefetch.read(PathStates, paths=["/opt/b", "/opt/c"]) == {
+            "/opt/b": {"type": "regular file", "user": "fox", "group": "fox", "mode": "644"}}
+        assert prefetch.read(PathStates, paths=["/opt/a"])["/opt/a"]["type"] == "directory"
+        assert box.reads == ["Snapshot"]
+    failing = FakeHost("failing-batch-box", [mark, f"{mark} 2"])
+    with ctx_host.use(failing):
+        prefetch.reads(lambda **_: [(PathStates, {"paths": ["/opt/a"]}),
+                                    (PathStates, {"paths": ["/opt/b"]})])(lambda **_: None)()
+        assert prefetch.read(PathStates, paths=["/opt/a"]) == {"fresh": True}
+        assert prefetch.read(PathStates, paths=["/opt/b"]) == {"fresh": True}
+        assert failing.reads == ["Snapshot", "PathStates", "PathStates"]

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pyinfra.api import FactBase
 
 from donorkit import wheel_cache
+from donorkit.facts import CudaStack
 from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -126,25 +128,28 @@ def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
     (cuda / "nvcc").chmod(0o755)
     stamp = tmp_path / "exllamav3.stack"
     stamp.write_text("the installed key\n")
-    fact = Exllamav3Stack()
-    command = fact.command(venv_dir=str(venv), cuda_home=str(cuda.parent), stamp=str(stamp))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    output = subprocess.run(["sh", "-c", command], check=True, capture_output=True, text=True,
-                            env=env).stdout.splitlines()
-    facts = fact.process(output)
+
+    def read(fact: FactBase, **kwargs: str) -> dict:
+        output = subprocess.run(["sh", "-c", fact.command(**kwargs)], check=True,
+                                capture_output=True, text=True, env=env).stdout
+        return fact.process(output.splitlines())
+
+    # As exllamav3_wheel reads the box: nvcc and torch's CUDA come from CudaStack.
+    facts = {**read(Exllamav3Stack(), venv_dir=str(venv), stamp=str(stamp)),
+             **read(CudaStack(), cuda_home=str(cuda.parent), venv_dir=str(venv))}
     assert facts["abi"] == f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert (facts["torch"], facts["torch_cuda"], facts["nvcc"]) == ("2.11.0+cu130", "13.0", "13.0")
     assert facts["machine"] == os.uname().machine and facts["distro"]
     assert facts["installed"] == "the installed key"
 
 
-def test_stack_fact_on_a_box_without_venv_or_toolkit(tmp_path: Path) -> None:
+def test_stack_fact_on_a_box_without_venv(tmp_path: Path) -> None:
     fact = Exllamav3Stack()
-    command = fact.command(venv_dir=str(tmp_path / "no-venv"), cuda_home=str(tmp_path / "none"),
-                           stamp=str(tmp_path / "no-stamp"))
+    command = fact.command(venv_dir=str(tmp_path / "no-venv"), stamp=str(tmp_path / "no-stamp"))
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
     facts = fact.process(output.splitlines())
-    assert [facts[k] for k in ("abi", "torch", "nvcc", "installed")] == [None] * 4
+    assert [facts[k] for k in ("abi", "torch", "installed")] == [None] * 3
 
 
 def build_env(tmp_path: Path, pip_body: str) -> dict:
