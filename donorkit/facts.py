@@ -69,7 +69,7 @@ class CudaStack(FactBase):
 def digest_command(paths: list[str]) -> str:
     """Shell that prints one sha256 over the names and contents of `paths` (globs allowed,
     unquoted on purpose: venv paths contain python3.X); absent paths count as absent."""
-    listing = " ".join(paths)
+    listing = " ".join(paths) or "/dev/null"  # never a bare `cat`: it would read stdin
     return f"{{ ls -d {listing}; cat {listing}; }} 2>/dev/null | sha256sum | cut -c1-64"
 
 
@@ -78,22 +78,27 @@ _UNIT_PROPERTIES = "-p LoadState -p ActiveState -p UnitFileState -p NeedDaemonRe
 
 
 class UnitState(FactBase):
-    """A unit's load/active/enabled state, whether systemd wants a daemon-reload, the digest of
-    what it depends on as it is on disk now, the digest recorded when it was last started, and
-    (`present`) whether a related file exists, all in one command."""
+    """A unit's load/active/enabled state and whether systemd wants a daemon-reload, all in one
+    command with, when asked: the digest of what it depends on as it is on disk now (OnDisk),
+    the digest recorded when it was last started (Recorded), and whether a related file exists
+    (Present)."""
 
-    def command(self, unit: str, depends_on: list[str], record: str,
+    def command(self, unit: str, depends_on: list[str] | None = None, record: str | None = None,
                 present: str | None = None) -> str:
-        return (f"systemctl show {shlex.quote(unit)} {_UNIT_PROPERTIES}; "
-                + self._files(depends_on, record, present))
+        return "; ".join([f"systemctl show {shlex.quote(unit)} {_UNIT_PROPERTIES}",
+                          *self._files(depends_on, record, present)])
 
     @staticmethod
-    def _files(depends_on: list[str], record: str, present: str | None = None) -> str:
-        command = (f"echo OnDisk=$({digest_command(depends_on)}); "
-                   f"echo Recorded=$(cat {shlex.quote(record)} 2>/dev/null)")
+    def _files(depends_on: list[str] | None = None, record: str | None = None,
+               present: str | None = None) -> list[str]:
+        commands = []
+        if depends_on:
+            commands.append(f"printf OnDisk=; {digest_command(depends_on)}")
+        if record:  # printf and cat: no subshell for $(cat)
+            commands.append(f"printf Recorded=; cat {shlex.quote(record)} 2>/dev/null; echo")
         if present:
-            command += f"; [ ! -e {shlex.quote(present)} ] || echo Present=yes"
-        return command
+            commands.append(f"[ ! -e {shlex.quote(present)} ] || echo Present=yes")
+        return commands
 
     def process(self, output: list[str]) -> dict[str, str]:
         return dict(line.split("=", 1) for line in output if "=" in line)
@@ -102,7 +107,8 @@ class UnitState(FactBase):
     # a systemctl start and its bus connection per unit (about 5 ms of host CPU each).
     def batch_command(self, requests: list[dict]) -> str:
         units = " ".join(shlex.quote(kwargs["unit"]) for kwargs in requests)
-        files = "; ".join(f"echo {_UNIT_MARK}; {self._files(**_without(kwargs, 'unit'))}"
+        files = "; ".join("; ".join([f"echo {_UNIT_MARK}",
+                                     *self._files(**_without(kwargs, "unit"))])
                           for kwargs in requests)
         return f"systemctl show {units} {_UNIT_PROPERTIES}; {files}"
 

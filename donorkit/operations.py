@@ -420,7 +420,7 @@ def vllm_service(unit: str, depends_on: list[str], record: str):
 
 def _unit_and_file(unit: str, path: str) -> Request:
     """A unit's state and whether `path` exists, in one command."""
-    return UnitState, {"unit": unit, "depends_on": [], "record": "/dev/null", "present": path}
+    return UnitState, {"unit": unit, "present": path}
 
 
 @reads(lambda unit, pending_marker, **_: [_unit_and_file(unit, pending_marker)])

@@ -149,11 +149,11 @@ def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) ->
     def remote(command: str) -> list[str]:
         return ssh(good, f"sh -c {shlex.quote(command)}").stdout.splitlines()
 
-    units = [{"unit": "vllm-qwen.service", "record": "/dev/null",
+    units = [{"unit": "vllm-qwen.service",
+              "record": "/opt/uncloseai/state/vllm-qwen.service.started",
               "depends_on": ["/etc/systemd/system/vllm-qwen.service"]},
-             {"unit": "vllm-hermes.service", "depends_on": [], "record": "/dev/null"},
-             {"unit": "caddy", "depends_on": ["/etc/caddy/Caddyfile"], "record": "/dev/null",
-              "present": "/etc/caddy/Caddyfile"}]
+             {"unit": "vllm-hermes.service", "present": "/etc/systemd/system/vllm-hermes.service"},
+             {"unit": "caddy", "present": "/etc/caddy/Caddyfile"}]
     paths = [{"paths": ["/etc/caddy/Caddyfile", "/opt/uncloseai"],
               "digest": ["/etc/caddy/Caddyfile"]},
              {"paths": ["/etc/caddy/Caddyfile", "/opt/uncloseai/absent"]}]
@@ -163,6 +163,7 @@ def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) ->
     states = UnitState().batch_process(remote(UnitState().batch_command(units)), units)
     assert [s["ActiveState"] for s in states] == ["active", "inactive", "active"]
     assert [s["LoadState"] for s in states] == ["loaded", "not-found", "loaded"]
+    assert len(states[0]["Recorded"]) == 64 and states[2]["Present"] == "yes"
 
 
 def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> None:

@@ -144,7 +144,7 @@ def test_venv_distributions_from_dist_info_names(tmp_path: Path) -> None:
 def test_unit_state_reports_a_present_file(tmp_path: Path) -> None:
     marker = tmp_path / "reload-pending"
     fact = UnitState()
-    command = fact.command("no-such.service", [], "/dev/null", present=str(marker))
+    command = fact.command("no-such.service", present=str(marker))
     assert "Present" not in fact.process(run(command))
     marker.touch()
     assert fact.process(run(command))["Present"] == "yes"
@@ -175,8 +175,8 @@ def test_unit_state_batched_answers_each_unit_or_refuses() -> None:
     Without systemd as PID 1 (this machine) systemctl prints nothing: the batch must refuse
     (the snapshot then reads each unit on its own) rather than answer with missing states.
     Against real systemd the batch is also checked on the testbed (tests/testbed/test_e2e.py)."""
-    requests = [{"unit": "caddy", "depends_on": [], "record": "/dev/null"},
-                {"unit": "vllm-qwen.service", "depends_on": [], "record": "/dev/null"}]
+    requests = [{"unit": "caddy", "present": "/etc/passwd"},
+                {"unit": "vllm-qwen.service", "depends_on": ["/etc/hostname"], "record": "/no"}]
     fact = UnitState()
     output = run(fact.batch_command(requests))
     assert output.count("@@uncloseai-unit") == 2

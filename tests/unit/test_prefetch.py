@@ -49,8 +49,7 @@ class FakeHost:
 def declare(paths: list[str], unit: str) -> None:
     """What an operation decorated with @reads does when the deploy calls it."""
     prefetch.reads(lambda **_: [(PathStates, {"paths": paths}),
-                                (UnitState, {"unit": unit, "depends_on": [],
-                                             "record": "/dev/null"})])(lambda **_: None)()
+                                (UnitState, {"unit": unit})])(lambda **_: None)()
 
 
 def test_reads_come_from_one_snapshot_until_the_run_changes_the_host() -> None:
@@ -63,8 +62,7 @@ def test_reads_come_from_one_snapshot_until_the_run_changes_the_host() -> None:
         box.run_operation(changed=False)
         assert prefetch.read(PathStates, paths=["/opt/u"]) == {
             "/opt/u": {"type": "directory", "user": "root", "group": "root", "mode": "755"}}
-        assert prefetch.read(UnitState, unit="caddy", depends_on=[], record="/dev/null") == {
-            "ActiveState": "active"}
+        assert prefetch.read(UnitState, unit="caddy") == {"ActiveState": "active"}
         assert box.reads == ["Snapshot"]
         # Not declared: read on its own.
         assert prefetch.read(PathStates, paths=["/etc"]) == {"fresh": True}
@@ -80,8 +78,7 @@ def test_a_failed_or_missing_section_is_read_again_on_its_own() -> None:
     with ctx_host.use(box):
         declare(["/opt/v"], "vllm-qwen.service")
         assert prefetch.read(PathStates, paths=["/opt/v"]) == {"fresh": True}
-        assert prefetch.read(UnitState, unit="vllm-qwen.service", depends_on=[],
-                             record="/dev/null") == {"fresh": True}
+        assert prefetch.read(UnitState, unit="vllm-qwen.service") == {"fresh": True}
         assert box.reads == ["Snapshot", "PathStates", "UnitState"]
 
 
