@@ -326,7 +326,7 @@ def editable_install(venv_dir: str, source_dir: str, reinstall: list[OperationMe
 def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], arch: str,
                     venv_dir: str, cuda_home: str, service_user: str, cache_dir: str,
                     box_dir: str, source_dir: str, script: str, stamp: str,
-                    gib_per_job: float):
+                    gib_per_job: float, distro: str):
     """The exllamav3 wheel of this box's stack, installed; built at most once per stack.
 
     Converged (the stamp names this stack): nothing, unless the operator's cache lacks the wheel
@@ -334,7 +334,7 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
     install (no compiler runs). Cache miss: build on the box, verify, install, copy back. The
     stamp is removed before and written after an install, so a failed install is retried."""
     box = {**read(Exllamav3Stack, venv_dir=venv_dir, stamp=stamp),
-           **read(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir)}
+           **read(CudaStack, cuda_home=cuda_home, venv_dir=venv_dir), "distro": distro}
     missing = [k for k in ("abi", "torch", "torch_cuda", "nvcc", "machine") if not box[k]]
     if missing:
         _fail(f"cannot key the exllamav3 wheel: {', '.join(missing)} not found "

@@ -38,8 +38,8 @@ class WheelCacheError(Exception):
 
 class Exllamav3Stack(FactBase):
     """What the box contributes to the exllamav3 stack key, besides nvcc's release and torch's
-    CUDA version (CudaStack, read once for this and the toolkit checks), and the stack it has
-    installed.
+    CUDA version (CudaStack, read once for this and the toolkit checks) and the distro
+    (HostProfile, read once when the deploy loads), and the stack it has installed.
 
     Cheap: the Python ABI comes from the venv's pyvenv.cfg, torch's version from its version.py
     (found in the venv's site-packages, no Python started).
@@ -52,7 +52,6 @@ class Exllamav3Stack(FactBase):
             f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
             f"echo @@torch; cat {venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null "
             "| sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\"; "
-            "echo @@distro; (. /etc/os-release && echo \"$ID$VERSION_ID\" | tr -d .); "
             "echo @@machine; uname -m; "
             f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo"
         )
@@ -66,7 +65,7 @@ class Exllamav3Stack(FactBase):
         python = first("python")
         return {"python": python,
                 "abi": f"cp{python.replace('.', '')}" if python else None,
-                "torch": first("torch"), "distro": first("distro"), "machine": first("machine"),
+                "torch": first("torch"), "machine": first("machine"),
                 "installed": first("installed")}
 
 

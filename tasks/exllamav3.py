@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pyinfra import host
 
+from donorkit.facts import host_profile
 from donorkit.fleet import REPO_ROOT
 from donorkit.operations import config_file, directories, exllamav3_wheel
 from donorkit.wheel_cache import resolve
@@ -45,4 +46,5 @@ exllamav3_wheel(
     script=script,
     stamp=f"{root}/state/exllamav3.stack",
     gib_per_job=host.data.exllamav3_gib_per_job,
+    distro=host_profile()["distro"],
 )

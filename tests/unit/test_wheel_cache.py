@@ -140,7 +140,7 @@ def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
              **read(CudaStack(), cuda_home=str(cuda.parent), venv_dir=str(venv))}
     assert facts["abi"] == f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert (facts["torch"], facts["torch_cuda"], facts["nvcc"]) == ("2.11.0+cu130", "13.0", "13.0")
-    assert facts["machine"] == os.uname().machine and facts["distro"]
+    assert facts["machine"] == os.uname().machine
     assert facts["installed"] == "the installed key"
 
 
