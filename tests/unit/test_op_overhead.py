@@ -14,10 +14,15 @@ from pyinfra.api import util as pyinfra_util
 from donorkit import op_overhead
 
 
-def order_from_here() -> list[int]:
-    def deploy_code() -> list[int]:
-        return pyinfra_util.get_operation_order_from_stack(
-            SimpleNamespace(current_deploy_filename=None, current_op_file_number=0))
+def order_from_here() -> tuple[list[int], list[int], str]:
+    """The op order pyinfra computes here, without and with a deploy file (this one) on the
+    stack, and the call location it reports."""
+    def deploy_code() -> tuple[list[int], list[int], str]:
+        return (pyinfra_util.get_operation_order_from_stack(
+                    SimpleNamespace(current_deploy_filename=None, current_op_file_number=0)),
+                pyinfra_util.get_operation_order_from_stack(
+                    SimpleNamespace(current_deploy_filename=__file__, current_op_file_number=3)),
+                pyinfra_util.get_call_location())
 
     return deploy_code()
 
