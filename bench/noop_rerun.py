@@ -12,6 +12,8 @@ donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
   (c) before: the deploy as it was before issue 6's batching (git worktree of --baseline, with
               pyinfra's own server.user, pip.packages, files.put/directory, DebPackages and
               File + Sha256File), with pyinfra's stock SSH;
+  (d) floor:  pyinfra connecting to the hosts and reading one fact each, nothing else
+              (bench/floor_deploy.py): what no deploy can go below on this machine;
 and prints min/median/max wall time, the ratios and remote commands per host (counted from
 pyinfra's --debug log). Every timed run must report zero changes, or the benchmark stops.
 
@@ -71,7 +73,7 @@ def donors_file(names: list[tuple[str, str]], path: Path,
     return path
 
 
-MODES = ("ours", "stock", "before")
+MODES = ("ours", "stock", "before", "floor")
 
 
 def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None = None,
@@ -86,7 +88,7 @@ def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None 
         env["UNCLOSEAI_STOCK_SSH"] = "1"
         cwd = baseline
     args = [str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []), *extra,
-            "inventory/gpus.py", "deploy.py"]
+            "inventory/gpus.py", "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
     started = time.perf_counter()
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
@@ -144,8 +146,10 @@ def measure(donors: Path, names: list[str], rounds: int, label: str, modes: list
         times = series(donors, extra, rounds, modes, baseline)
         summary(f"{label}, {scope}", times, counts)
         results[scope] = {"times": times, "commands": counts}
-    one, all_hosts = (statistics.median(results[s]["times"]["ours"]) for s in results)
-    print(f"{label:<28} ours: {len(names)} hosts / 1 host (medians): {all_hosts / one:.2f}")
+    for mode in modes:
+        one, all_hosts = (statistics.median(results[s]["times"][mode]) for s in results)
+        print(f"{label:<28} {mode}: {len(names)} hosts / 1 host (medians): "
+              f"{all_hosts / one:.2f}")
     return results
 
 
@@ -168,7 +172,7 @@ def main() -> int:
     args = parser.parse_args()
     names = [("tb-4090", "10.213.0.11")] + [(f"tb-bench{i}", f"10.213.0.{20 + i}")
                                            for i in range(2, args.hosts + 1)]
-    modes = list(MODES if args.baseline else MODES[:2])
+    modes = [mode for mode in MODES if args.baseline or mode != "before"]
     baseline = baseline_worktree(args.baseline) if args.baseline else None
     donors = donors_file(names, WORK / "bench-donors.yml")
     try:
