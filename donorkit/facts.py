@@ -58,8 +58,8 @@ class CudaStack(FactBase):
         site = f"{shlex.quote(venv_dir)}/lib/python3*/site-packages"
         return (f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version | "
                 "sed -n 's/.*release \\([0-9.]*\\),.*/\\1/p'; fi; "
-                f"echo @@torch; cat {site}/torch/version.py 2>/dev/null | "
-                "sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\"")
+                "echo @@torch; sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" "
+                f"{site}/torch/version.py 2>/dev/null")
 
     def process(self, output: list[str]) -> dict:
         sections = _sections(output)
@@ -163,11 +163,16 @@ def _quoted(paths: list[str]) -> str:
 
 
 class DebStatus(FactBase):
-    """The packages dpkg has installed, by name. One read serves every install step of a run
-    (through the snapshot); `dpkg-query` prints two fields a package, less than `dpkg -l`."""
+    """Which of `packages` dpkg has installed. The snapshot asks once for every install step's
+    packages (batch_command). Naming them keeps the output to those: a real box has about 2000
+    packages, and every line of output costs the controller time to read."""
 
-    def command(self) -> str:
-        return "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n'"
+    def command(self, packages: list[str]) -> str:
+        if not packages:
+            return "true"  # a bare `dpkg-query -W` would list every package
+        # Exit status 1: some of them are unknown to dpkg (never installed); 2 is a real error.
+        return (f"dpkg-query -W -f='${{db:Status-Abbrev}} ${{Package}}\\n' {_quoted(packages)} "
+                "2>/dev/null; [ $? -le 1 ]")
 
     def process(self, output: list[str]) -> set[str]:
         # Status-Abbrev's second letter is the state: `i` installed; c, n, U, H, F, W, t not (yet).
@@ -176,6 +181,15 @@ class DebStatus(FactBase):
 
     def default(self) -> set[str]:
         return set()
+
+    def batch_command(self, requests: list[dict]) -> str:
+        return self.command(list(dict.fromkeys(p for kwargs in requests
+                                               for p in kwargs["packages"])))
+
+    def batch_process(self, output: list[str], requests: list[dict]) -> list[set[str]]:
+        """Each request's value, as `process` gives it for that request's own command."""
+        installed = self.process(output)
+        return [installed & set(kwargs["packages"]) for kwargs in requests]
 
 
 class PathStates(FactBase):

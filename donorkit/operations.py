@@ -67,11 +67,11 @@ def refusals_fail_the_host(func: Callable) -> Callable:
     return wrapper
 
 
-@reads(lambda **_: [(DebStatus, {})])
+@reads(lambda packages, **_: [(DebStatus, {"packages": packages})])
 @operation()
 def apt_install(packages: list[str]):
     """Install the missing packages; refresh the lists only when something is missing."""
-    installed = read(DebStatus)
+    installed = read(DebStatus, packages=packages)
     missing = [p for p in packages if p not in installed]
     if not missing:
         host.noop(f"installed: {' '.join(packages)}")

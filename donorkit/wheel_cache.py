@@ -50,8 +50,8 @@ class Exllamav3Stack(FactBase):
         return (
             f"echo @@python; sed -n 's/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/\\2/p' "
             f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
-            f"echo @@torch; cat {venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null "
-            "| sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\"; "
+            "echo @@torch; sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" "
+            f"{venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null; "
             "echo @@machine; uname -m; "
             f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo"
         )

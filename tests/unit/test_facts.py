@@ -100,9 +100,15 @@ def test_dependency_digest_changes_with_content_and_presence(tmp_path: Path) -> 
 
 def test_deb_status_names_installed_packages_only() -> None:
     fact = DebStatus()
-    installed = fact.process(run(fact.command()))
-    assert "dpkg" in installed and "no-such-package-uncloseai" not in installed  # Debian here
+    output = run(fact.command(["dpkg", "no-such-package-uncloseai"]) + "; echo status=$?")
+    assert output[-1] == "status=0"  # an unknown package is an answer, not a failure
+    assert fact.process(output[:-1]) == {"dpkg"}  # Debian here
     assert fact.process(["ii  git", "rc  caddy", "iU  ninja-build", "hi  curl"]) == {"git", "curl"}
+    requests = [{"packages": ["dpkg", "no-such-package-uncloseai"]}, {"packages": ["dpkg", "tar"]},
+                {"packages": ["no-such-package-uncloseai"]}]
+    batched = fact.batch_process(run(fact.batch_command(requests)), requests)
+    assert batched == [fact.process(run(fact.command(**kwargs))) for kwargs in requests]
+    assert batched == [{"dpkg"}, {"dpkg", "tar"}, set()]
 
 
 def test_path_states_reads_type_owner_mode_and_digest_in_one_command(tmp_path: Path) -> None:
