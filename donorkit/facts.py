@@ -59,7 +59,7 @@ class CudaStack(FactBase):
         return (f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version | "
                 "sed -n 's/.*release \\([0-9.]*\\),.*/\\1/p'; fi; "
                 "echo @@torch; sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" "
-                f"{site}/torch/version.py 2>/dev/null")
+                f"{site}/torch/version.py 2>/dev/null || true")  # no venv yet: not a failure
 
     def process(self, output: list[str]) -> dict:
         sections = _sections(output)

@@ -147,7 +147,8 @@ def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
 def test_stack_fact_on_a_box_without_venv(tmp_path: Path) -> None:
     fact = Exllamav3Stack()
     command = fact.command(venv_dir=str(tmp_path / "no-venv"), stamp=str(tmp_path / "no-stamp"))
-    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                            check=True).stdout  # status 0: an answer, not a failed fact
     facts = fact.process(output.splitlines())
     assert [facts[k] for k in ("abi", "torch", "installed")] == [None] * 3
 
