@@ -1,6 +1,7 @@
 """Benchmark (not a test): the deploy's no-op re-run on converged testbed hosts, ours vs stock.
 
     .venv/bin/python -m bench.noop_rerun [--hosts 4] [--rounds 5] [--baseline REV]
+                                         [--modes ours,stock,before,floor]
 
 Brings up N testbed hosts with the rtx4090 profile (tests/testbed/hosts.py), converges them with
 the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
@@ -169,11 +170,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", default=BASELINE,
                         help="commit of the deploy before the batching ('' to skip (c))")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma list of the modes to time (ours is always timed)")
     args = parser.parse_args()
     names = [("tb-4090", "10.213.0.11")] + [(f"tb-bench{i}", f"10.213.0.{20 + i}")
                                            for i in range(2, args.hosts + 1)]
-    modes = [mode for mode in MODES if args.baseline or mode != "before"]
-    baseline = baseline_worktree(args.baseline) if args.baseline else None
+    wanted = set(args.modes.split(",")) - ({"before"} if not args.baseline else set())
+    modes = [mode for mode in MODES if mode == "ours" or mode in wanted]
+    baseline = baseline_worktree(args.baseline) if "before" in modes else None
     donors = donors_file(names, WORK / "bench-donors.yml")
     try:
         with bed.testbed(names) as started:
