@@ -343,10 +343,6 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
     stack = wheel_cache.stack_id(key)
     wheel = wheel_cache.wheel_name(version, box["abi"], box["machine"])
     entry = wheel_cache.resolve(cache_dir) / "exllamav3" / stack
-    try:
-        cached = wheel_cache.cached_wheel(entry, wheel)
-    except wheel_cache.WheelCacheError as exc:
-        _fail(str(exc))
     remote_dir = f"{box_dir}/{stack}"
     remote_wheel = f"{remote_dir}/{wheel}"
     copy_back = [
@@ -356,11 +352,17 @@ def exllamav3_wheel(version: str, ref: str, git_url: str, patches: list[str], ar
         FunctionCommand(wheel_cache.commit_entry, (str(entry), wheel, key), {}),
     ]
     if box["installed"] == key:
-        if cached or not read(File, path=f"{remote_wheel}.sha256"):
+        # Converged: the cache entry is looked for, not hashed (a real wheel is tens of MB, on
+        # every run, for every host); its bytes are checked whenever one is uploaded.
+        if wheel_cache.has_entry(entry, wheel) or not read(File, path=f"{remote_wheel}.sha256"):
             host.noop(f"exllamav3 installed for stack {stack}")
             return
         yield from copy_back
         return
+    try:
+        cached = wheel_cache.cached_wheel(entry, wheel)
+    except wheel_cache.WheelCacheError as exc:
+        _fail(str(exc))
 
     q_dir, q_wheel, q_stamp = shlex.quote(remote_dir), shlex.quote(wheel), shlex.quote(stamp)
     if cached:

@@ -118,11 +118,16 @@ def sidecar_sha256(sidecar: Path, wheel: str) -> str:
     return fields[0]
 
 
+def has_entry(entry_dir: Path, wheel: str) -> bool:
+    """Whether the entry is complete (its sidecar, written last, exists), without reading it."""
+    return (entry_dir / wheel).is_file() and (entry_dir / f"{wheel}.sha256").is_file()
+
+
 def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
     """(path, sha256) of a verified cached wheel; None when the entry is absent or incomplete
     (no sidecar yet). A wheel that does not match its sidecar raises WheelCacheError."""
     path, sidecar = entry_dir / wheel, entry_dir / f"{wheel}.sha256"
-    if not path.is_file() or not sidecar.is_file():
+    if not has_entry(entry_dir, wheel):
         return None
     want = sidecar_sha256(sidecar, wheel)
     found = file_sha256(path)

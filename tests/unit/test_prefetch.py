@@ -3,6 +3,7 @@ changed nothing on that host; after that every read is a fresh remote command ag
 
 from __future__ import annotations
 
+import os
 import subprocess
 from types import SimpleNamespace
 
@@ -23,6 +24,16 @@ def test_snapshot_keeps_each_command_output_and_status_apart() -> None:
     commands = ["echo a; echo b", "echo lost >&2; false", "true", "cd /; echo x"]
     assert fact.process(run(fact.command(commands))) == [
         (0, ["a", "b"]), (1, []), (0, []), (0, ["x"])]
+
+
+def test_snapshot_output_leaves_the_host_in_one_piece() -> None:
+    # Line by line, every echo would cross the SSH link as its own packet.
+    command = Snapshot().command(["echo a", "sleep 0.3; echo b"])
+    with subprocess.Popen(["sh", "-c", command], stdout=subprocess.PIPE) as shell:
+        first = os.read(shell.stdout.fileno(), 1 << 16).decode()
+        rest = shell.stdout.read().decode()
+    assert "b" in first.splitlines() and rest == ""
+    assert Snapshot().process((first + rest).splitlines()) == [(0, ["a"]), (0, ["b"])]
 
 
 class FakeHost:
