@@ -8,8 +8,8 @@ the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming 
 donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
   (a) ours:   this deploy;
   (b) stock:  the same deploy with our speed-ups off (UNCLOSEAI_STOCK=all: every fact read is
-              its own remote command, pyinfra's stock SSH without TCP_NODELAY, pyinfra's stock
-              stack walk);
+              its own remote command, pyinfra's stock SSH sockets (no TCP_NODELAY or
+              TCP_QUICKACK), pyinfra's stock stack walk);
   (c) before: the deploy as it was before issue 6's batching (git worktree of --baseline, with
               pyinfra's own server.user, pip.packages, files.put/directory, DebPackages and
               File + Sha256File), with pyinfra's stock SSH;

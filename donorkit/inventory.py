@@ -6,10 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-from donorkit import op_overhead, prefetch, ssh_nodelay
+from donorkit import op_overhead, prefetch, ssh_socket
 from donorkit.fleet import FleetError, load_fleet
 
-SPEEDUPS = {"ssh": ssh_nodelay, "op_overhead": op_overhead, "snapshot": prefetch}
+SPEEDUPS = {"ssh": ssh_socket, "op_overhead": op_overhead, "snapshot": prefetch}
 
 
 def stock_behaviour(environ: dict[str, str]) -> set[str]:
@@ -46,7 +46,8 @@ def fleet_or_exit(donors_path: Path | str | None = None,
 def pyinfra_groups(fleet: dict[str, dict]) -> dict[str, list[tuple[str, dict]]]:
     """`donors` (every host) plus one group per card profile (e.g. `rtx4090`)."""
     groups: dict[str, list[tuple[str, dict]]] = {"donors": []}
-    for name, data in fleet.items():
+    for name, fleet_data in fleet.items():
+        data = {**fleet_data, "ssh_paramiko_connect_kwargs": ssh_socket.connect_kwargs()}
         groups["donors"].append((name, data))
         groups.setdefault(data["card"]["name"], []).append((name, data))
     return groups
