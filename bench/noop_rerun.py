@@ -23,7 +23,9 @@ kernel has no sch_netem ("Specified qdisc kind is unknown"), so a userspace rela
 (bench/latency_relay.py) delays every chunk 25 ms each way between pyinfra and each host's sshd.
 
 On CI-class machines (2 cores) the controller and the test hosts share the CPUs: the all-hosts
-figure includes that contention.
+figure includes that contention. Each line also gives the median CPU seconds of pyinfra's own
+process (controller) and of the rest of the machine during the run (the hosts' sshd and commands,
+the relay): on a real fleet the rest runs on the boxes, not next to the controller.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -77,8 +80,23 @@ def donors_file(names: list[tuple[str, str]], path: Path,
 MODES = ("ours", "stock", "before", "floor")
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds this machine has spent busy since boot, all cores (/proc/stat)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None = None,
-           debug: bool = False) -> tuple[float, dict, str]:
+           debug: bool = False) -> tuple[float, dict, str, dict[str, float]]:
+    """One pyinfra run: wall time, its JSON report, its log, and CPU seconds split into the
+    controller (pyinfra's process) and the rest of the machine (the hosts' sshd and commands,
+    and over 50 ms the relay), which here share the same cores."""
     env = dict(os.environ, DONORS_FILE=str(donors))
     env.pop("UNCLOSEAI_STOCK", None)
     env.pop("UNCLOSEAI_STOCK_SSH", None)
@@ -90,15 +108,17 @@ def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None 
         cwd = baseline
     args = [str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []), *extra,
             "inventory/gpus.py", "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
-    started = time.perf_counter()
+    started, busy, controller = time.perf_counter(), busy_cpu_s(), children_cpu_s()
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
     elapsed = time.perf_counter() - started
+    controller = children_cpu_s() - controller
+    cpu = {"controller": controller, "rest": max(busy_cpu_s() - busy - controller, 0.0)}
     start = result.stdout.find('{"plan"')
     if result.returncode != 0 or start < 0:
         raise SystemExit(f"deploy failed ({mode}, rc {result.returncode}):\n"
                          f"{(result.stdout + result.stderr)[-4000:]}")
-    return elapsed, json.loads(result.stdout[start:]), result.stderr
+    return elapsed, json.loads(result.stdout[start:]), result.stderr, cpu
 
 
 def changes(report: dict) -> int:
@@ -113,24 +133,33 @@ def commands_per_host(log: str) -> dict[str, int]:
 
 
 def series(donors: Path, extra: list[str], rounds: int, modes: list[str],
-           baseline: Path | None) -> dict[str, list[float]]:
+           baseline: Path | None) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
     """Alternate the modes so drift on the machine hits them all alike."""
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    cpus: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(rounds):
         for mode in modes:
-            elapsed, report, _ = deploy(donors, *extra, mode=mode, baseline=baseline)
+            elapsed, report, _, cpu = deploy(donors, *extra, mode=mode, baseline=baseline)
             if changes(report):
                 raise SystemExit(f"a no-op re-run changed something ({mode}): {report}")
             times[mode].append(elapsed)
-    return times
+            cpus[mode].append(cpu)
+    return times, cpus
 
 
-def summary(label: str, times: dict[str, list[float]], counts: dict[str, dict[str, int]]) -> None:
+def median_cpu(cpus: list[dict], part: str) -> float:
+    return statistics.median(cpu[part] for cpu in cpus)
+
+
+def summary(label: str, times: dict[str, list[float]], counts: dict[str, dict[str, int]],
+            cpus: dict[str, list[dict]]) -> None:
     for mode, values in times.items():
         per_host = sorted(set(counts[mode].values()))
         print(f"{label:<28} {mode:<6} min {min(values):6.2f} s  median "
               f"{statistics.median(values):6.2f} s  max {max(values):6.2f} s  "
-              f"(n={len(values)}; remote commands per host: {per_host})")
+              f"(n={len(values)}; remote commands per host: {per_host}; median CPU: "
+              f"controller {median_cpu(cpus[mode], 'controller'):.2f} s, rest "
+              f"{median_cpu(cpus[mode], 'rest'):.2f} s)")
     ours = statistics.median(times["ours"])
     for mode in times:
         if mode != "ours":
@@ -144,13 +173,14 @@ def measure(donors: Path, names: list[str], rounds: int, label: str, modes: list
     for scope, extra in (("1 host", ["--limit", names[0]]), (f"{len(names)} hosts", [])):
         counts = {mode: commands_per_host(deploy(donors, *extra, mode=mode, baseline=baseline,
                                                  debug=True)[2]) for mode in modes}
-        times = series(donors, extra, rounds, modes, baseline)
-        summary(f"{label}, {scope}", times, counts)
-        results[scope] = {"times": times, "commands": counts}
+        times, cpus = series(donors, extra, rounds, modes, baseline)
+        summary(f"{label}, {scope}", times, counts, cpus)
+        results[scope] = {"times": times, "commands": counts, "cpu": cpus}
     for mode in modes:
         one, all_hosts = (statistics.median(results[s]["times"][mode]) for s in results)
+        cpu_one, cpu_all = (median_cpu(results[s]["cpu"][mode], "controller") for s in results)
         print(f"{label:<28} {mode}: {len(names)} hosts / 1 host (medians): "
-              f"{all_hosts / one:.2f}")
+              f"{all_hosts / one:.2f} (controller CPU alone: {cpu_all / cpu_one:.2f})")
     return results
 
 
@@ -181,7 +211,7 @@ def main() -> int:
     donors = donors_file(names, WORK / "bench-donors.yml")
     try:
         with bed.testbed(names) as started:
-            elapsed, report, _ = deploy(donors)
+            elapsed, report, _, _ = deploy(donors)
             print(f"converged {len(started)} hosts in {elapsed:.0f} s ({changes(report)} changes)")
             local = measure(donors, [n for n, _ in names], args.rounds, "loopback network",
                             modes, baseline)
