@@ -56,14 +56,15 @@ class CudaStack(FactBase):
     def command(self, cuda_home: str, venv_dir: str) -> str:
         nvcc = shlex.quote(f"{cuda_home}/bin/nvcc")
         site = f"{shlex.quote(venv_dir)}/lib/python3*/site-packages"
-        return (f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version | "
-                "sed -n 's/.*release \\([0-9.]*\\),.*/\\1/p'; fi; "
+        return (f"echo @@nvcc; if [ -x {nvcc} ]; then {nvcc} --version; fi; "  # parsed here
                 "echo @@torch; sed -n \"s/^cuda[^=]*= *'\\([0-9.]*\\)'.*/\\1/p\" "
                 f"{site}/torch/version.py 2>/dev/null || true")  # no venv yet: not a failure
 
     def process(self, output: list[str]) -> dict:
         sections = _sections(output)
-        return {"nvcc": _first(sections, "nvcc"), "torch_cuda": _first(sections, "torch")}
+        releases = [match[1] for line in sections.get("nvcc", [])
+                    if (match := re.search(r"release ([0-9.]+),", line))]
+        return {"nvcc": (releases or [None])[0], "torch_cuda": _first(sections, "torch")}
 
 
 def digest_command(paths: list[str]) -> str:
@@ -239,8 +240,10 @@ class UserAccount(FactBase):
     """A user's passwd entry (home, shell) and the owner of its home directory, or None."""
 
     def command(self, user: str) -> str:
+        # The home directory is the 6th field: cut by the shell (${entry#*:*:*:*:*:} drops the
+        # first five), not by a subshell and `cut`.
         return (f"entry=$(getent passwd {shlex.quote(user)}) && echo \"$entry\" && "
-                "stat -c '%U' \"$(echo \"$entry\" | cut -d: -f6)\" 2>/dev/null; true")
+                "home=${entry#*:*:*:*:*:} && stat -c '%U' \"${home%%:*}\" 2>/dev/null; true")
 
     def process(self, output: list[str]) -> dict | None:
         if not output or output[0].count(":") != 6:

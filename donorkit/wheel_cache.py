@@ -48,8 +48,10 @@ class Exllamav3Stack(FactBase):
     def command(self, venv_dir: str, stamp: str) -> str:
         venv = shlex.quote(venv_dir)
         return (
-            f"echo @@python; sed -n 's/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/\\2/p' "
-            f"{venv}/pyvenv.cfg 2>/dev/null | head -1; "
+            # The first match only (pyvenv.cfg has version and version_info): sed quits there.
+            "echo @@python; sed -n "
+            "'/^version\\(_info\\)\\? *= *\\([0-9]*\\.[0-9]*\\).*/{s//\\2/p;q}' "
+            f"{venv}/pyvenv.cfg 2>/dev/null; "
             "echo @@torch; sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" "
             f"{venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null; "
             "echo @@machine; uname -m; "
