@@ -2,7 +2,7 @@
 # The whole GPU-box proof, one command (the `device` tool's H200: CUDA 13.0, torch 2.11.0+cu130,
 # no network). Carry: .whl (pyinfra and its dependencies, pytest-testinfra; py3.12 wheels; in
 # .whl/build, setuptools for pip's build isolation) and .gpu (gpu/exllamav3_source.py's
-# repository). Logs go to $OUT.
+# repository); `bash gpu/carry.sh` builds both. Logs go to $OUT.
 #   1. pyinfra from the carried wheels; a venv of our own with the image's torch linked in
 #   2. bench/exllamav3_cache.py: cold build, kernel check, wiped box = second box of the stack
 #      (cache hit, no compiler), converge, corrupt cache refused, cache hit again
