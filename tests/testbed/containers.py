@@ -68,6 +68,26 @@ def boot(name: str, ns: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def exit_status(pid: int) -> str:
+    """How an nspawn this process started ended (reaped here), for the log."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "exit status unknown (not our child)"
+    if not done:
+        return "still running"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def console_log(name: str) -> str:
+    try:
+        return (LOGS / f"{name}.console.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def is_ours(pid: int, name: str) -> bool:
     """True if pid is still the nspawn of host `name` (guards against a recycled pid)."""
     try:

@@ -67,8 +67,8 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
     """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
     times = {} if times is None else times
     _validate(hosts)
+    apt_install_missing(TOOLS)  # first: teardown of an earlier run's leftovers may need them
     down()
-    apt_install_missing(TOOLS)
     with phase("rootfs", times):
         rootfs.ensure_base()
     with phase("repo build", times):
@@ -113,7 +113,14 @@ def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
         state["hosts"][-1] = asdict(host)
         _save(state)
         started.append(host)
-    _wait_ready(started)
+
+    def restart(host: Host) -> None:
+        """Start a host's nspawn once more (see _keyscan), recorded before it can fail."""
+        host.pid = containers.boot(host.name, host.netns).pid
+        state["hosts"] = [asdict(h) for h in started]
+        _save(state)
+
+    _wait_ready(started, restart)
     return started
 
 
@@ -126,10 +133,10 @@ def _new_ssh_key() -> str:
     return SSH_KEY.with_suffix(".pub").read_text()
 
 
-def _wait_ready(hosts: list[Host]) -> None:
+def _wait_ready(hosts: list[Host], restart) -> None:
     """known_hosts from each sshd once it answers, then systemd must reach running/degraded."""
     deadline = time.monotonic() + READY_TIMEOUT
-    lines = [_keyscan(h, deadline) for h in hosts]
+    lines = [_keyscan(h, deadline, restart) for h in hosts]
     KNOWN_HOSTS.write_text("".join(lines))
     for h in hosts:
         left = max(5.0, deadline - time.monotonic())
@@ -140,10 +147,23 @@ def _wait_ready(hosts: list[Host]) -> None:
         log(f"{h.name} ({h.ip}): systemd {state.stdout.strip()}, sshd answers")
 
 
-def _keyscan(host: Host, deadline: float) -> str:
+def _keyscan(host: Host, deadline: float, restart) -> str:
+    """The host's sshd keys once it answers. An nspawn that exits before that is started once
+    more, saying so: seen once right after a teardown (nspawn gone, console log empty), and the
+    same start a second later worked; the log line keeps its exit status and console output."""
+    retried = False
     while time.monotonic() < deadline:
         if host.pid and not containers.is_ours(host.pid, host.name):
-            raise RuntimeError(f"{host.name}: nspawn exited; see {containers.LOGS}")
+            status = containers.exit_status(host.pid)
+            console = containers.console_log(host.name)
+            if retried:
+                raise RuntimeError(f"{host.name}: nspawn exited again ({status}); console log "
+                                   f"{containers.LOGS / (host.name + '.console.log')}: "
+                                   f"{console[-2000:]!r}")
+            log(f"{host.name}: nspawn exited right after its start ({status}; console log: "
+                f"{console[-500:]!r}): starting it once more")
+            restart(host)
+            retried = True
         out = run(["ssh-keyscan", "-T", "2", host.ip], check=False, quiet=True).stdout
         if out.strip():
             return out
