@@ -29,6 +29,7 @@ MODEL_FIELDS = {"checkpoint": str, "port": int, "max_model_len": int, "args": li
 FORBIDDEN_MODEL_ARGS = ("--host", "--port", "--served-model-name")
 HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
 CUDA_RE = re.compile(r"^\d+\.\d+$")
+DRIVER_RE = re.compile(r"^\d+(\.\d+)*$")
 
 
 class FleetError(Exception):
@@ -92,6 +93,10 @@ def _check_profiles(path: Path, defaults: dict) -> None:
         _check_fields(where, card, CARD_FIELDS)
         if not CUDA_RE.match(card["cuda"]):
             raise FleetError(f"{where}: field 'cuda': expected MAJOR.MINOR, got {card['cuda']!r}")
+        minimums = defaults.get("cuda_driver_minimums")
+        if not isinstance(minimums, dict) or not DRIVER_RE.match(str(minimums.get(card["cuda"]))):
+            raise FleetError(f"{where}: field 'cuda': CUDA {card['cuda']} has no driver minimum "
+                             "(a version like 580.65.06) under cuda_driver_minimums")
     for name, model in (defaults.get("models") or {}).items():
         where = f"{path}: model '{name}'"
         _check_fields(where, model, MODEL_FIELDS)
@@ -147,6 +152,7 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         ssh_port=donor.get("ssh_port", 22),
         card=card,
         cuda_version=cuda,
+        driver_minimum=str(data["cuda_driver_minimums"][cuda]),
         cuda_home=f"/usr/local/cuda-{cuda}",
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}",
         routes=[{"hostname": h, "model": m} for h, m in sorted(donor["routes"].items())],
