@@ -191,9 +191,11 @@ def system_user(user: str, home: str, shell: str):
 @reads(lambda venv_dir, **_: [(VenvDistributions, {"venv_dir": venv_dir})])
 @operation()
 @refusals_fail_the_host
-def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = ""):
+def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = "",
+                  install: list[str] | None = None):
     """Each requirement (`name==version` and the like) satisfied in the venv; pip installs them
-    all together when any is not, so its resolver sees the whole set."""
+    all together when any is not, so its resolver sees the whole set: `install` when given
+    (the same requirements, some as direct references: `vllm @ <wheel URL>`), else `packages`."""
     installed = read(VenvDistributions, venv_dir=venv_dir)
     unmet = []
     for spec in packages:
@@ -209,7 +211,7 @@ def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = 
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
     yield " ".join([f"{venv_dir}/bin/pip install -q", *filter(None, [extra_install_args]),
-                    *map(shlex.quote, packages)])
+                    *map(shlex.quote, install or packages)])
 
 
 @reads(lambda cuda_home, venv_dir, **_: [(CudaStack, {
