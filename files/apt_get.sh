@@ -40,6 +40,12 @@ for path in sys.argv[1:]:
   if [ -n "$(ls -A /var/lib/dpkg/updates 2>/dev/null)" ] || [ -n "$(dpkg --audit 2>/dev/null)" ]; then
     echo "uncloseai: dpkg was interrupted: running dpkg --configure -a first" >&2
     DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a || return
+    if [ -n "$(dpkg --audit 2>/dev/null)" ]; then  # a package killed mid-unpack: reinstall it
+      echo "uncloseai: dpkg --audit still reports packages: apt-get -f install" >&2
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold -y -q -f install \
+        || return
+    fi
   fi
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "$@"

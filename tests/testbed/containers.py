@@ -22,8 +22,9 @@ def host_dir(name: str) -> Path:
     return HOSTS_DIR / name
 
 
-def prepare_root(name: str, pubkey: str) -> Path:
-    """Overlay the base: writes land in the host's upper dir: instant start, clean base."""
+def prepare_root(name: str, pubkey: str, gpu: dict[str, str] | None = None) -> Path:
+    """Overlay the base: writes land in the host's upper dir: instant start, clean base.
+    `gpu` ({name, compute_cap, driver_version}) is what the stand-in nvidia-smi reports."""
     d = host_dir(name)
     root = d / "root"
     for sub in ("upper", "work", "root"):
@@ -31,6 +32,9 @@ def prepare_root(name: str, pubkey: str) -> Path:
     opts = f"lowerdir={BASE},upperdir={d / 'upper'},workdir={d / 'work'}"
     run(["mount", "-t", "overlay", "overlay", "-o", opts, root])
     _personalize(root, name, pubkey)
+    if gpu:
+        (root / "etc/uncloseai-testbed-gpu").write_text(
+            "".join(f"{k}={v}\n" for k, v in gpu.items()))
     return root
 
 

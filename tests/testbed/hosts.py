@@ -24,7 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
 from . import containers, cuda_standin, network, rootfs, www
-from .common import WORK, apt_install_missing, log, phase, run
+from .common import REPO_ROOT, WORK, apt_install_missing, log, phase, run
 
 DEFAULT_HOSTS: list[tuple[str, str]] = [("tb-4090", "10.213.0.11"), ("tb-3090", "10.213.0.12")]
 STATE = WORK / "state.json"
@@ -32,6 +32,10 @@ SSH_DIR = WORK / "ssh"
 SSH_KEY = SSH_DIR / "id_ed25519"
 KNOWN_HOSTS = WORK / "known_hosts"
 READY_TIMEOUT = 180.0
+# What each host's stand-in nvidia-smi reports: the card of its entry in tests/testbed/donors.yml
+# (rtx4090 for a host not listed there, as the benchmark's), with a driver new enough for it.
+DONORS = REPO_ROOT / "tests/testbed/donors.yml"
+GOOD_DRIVER = "580.95.05"
 # Debian package -> a command it provides; installed only where the command is missing.
 TOOLS = {"debootstrap": "debootstrap", "systemd-container": "systemd-nspawn", "nftables": "nft",
          "iproute2": "ip", "dpkg-dev": "dpkg-scanpackages", "apt-utils": "apt-ftparchive",
@@ -62,9 +66,22 @@ def ssh(host: Host | str, command: str, check: bool = True,
     return run([*ssh_command(host), command], check=check, quiet=True, timeout=timeout)
 
 
+def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, str]:
+    """The GPU a host's stand-in nvidia-smi reports (`drivers`: a host's other driver)."""
+    from donorkit.fleet import read_yaml
+
+    defaults = read_yaml(REPO_ROOT / "inventory/defaults.yml")
+    donor = (read_yaml(DONORS).get("donors") or {}).get(name) or {}
+    card = defaults["cards"][donor.get("card", "rtx4090")]
+    return {"name": card["gpu_name"], "compute_cap": card["arch"],
+            "driver_version": (drivers or {}).get(name, GOOD_DRIVER)}
+
+
 def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
-       times: dict[str, float] | None = None) -> list[Host]:
-    """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
+       times: dict[str, float] | None = None,
+       drivers: dict[str, str] | None = None) -> list[Host]:
+    """Bring the hosts up from scratch (anything left from an earlier run is torn down first).
+    `drivers`: {host: driver version} its stand-in nvidia-smi reports instead of a good one."""
     times = {} if times is None else times
     _validate(hosts)
     apt_install_missing(TOOLS)  # first: teardown of an earlier run's leftovers may need them
@@ -75,7 +92,7 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
         cuda_standin.build_repo(www.WWW)
         www.build_git_repo(www.WWW)
     with phase("hosts up", times):
-        started = _start(hosts)
+        started = _start(hosts, {name: standin_gpu(name, drivers) for name, _ in hosts})
     for h in started:
         print(f"{h.name}\t{h.ip}")
     return started
@@ -94,7 +111,7 @@ def _validate(hosts: Sequence[tuple[str, str]]) -> None:
             raise ValueError(f"{name}: {ip} is not a host address in {network.SUBNET}")
 
 
-def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
+def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict]) -> list[Host]:
     state: dict = {"http_pid": None, "hosts": []}
     network.bridge_up()
     _save(state)  # from here on, whatever exists is recorded before the next step can fail
@@ -108,7 +125,7 @@ def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
         state["hosts"].append(asdict(host))
         _save(state)
         network.host_net_up(name, ip)
-        containers.prepare_root(name, pubkey)
+        containers.prepare_root(name, pubkey, gpus[name])
         host.pid = containers.boot(name, host.netns).pid
         state["hosts"][-1] = asdict(host)
         _save(state)
@@ -215,11 +232,12 @@ def status() -> list[dict]:
 
 @contextmanager
 def testbed(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
-            times: dict[str, float] | None = None) -> Iterator[list[Host]]:
+            times: dict[str, float] | None = None,
+            drivers: dict[str, str] | None = None) -> Iterator[list[Host]]:
     """Hosts up for the block, torn down after it (also on error, Ctrl-C or SIGTERM)."""
     restore = _sigterm_raises()
     try:
-        yield up(hosts, times)
+        yield up(hosts, times, drivers)
     finally:
         try:
             down(times)
