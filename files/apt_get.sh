@@ -40,11 +40,15 @@ for path in sys.argv[1:]:
   if [ -n "$(ls -A /var/lib/dpkg/updates 2>/dev/null)" ] || [ -n "$(dpkg --audit 2>/dev/null)" ]; then
     echo "uncloseai: dpkg was interrupted: running dpkg --configure -a first" >&2
     DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a || return
-    if [ -n "$(dpkg --audit 2>/dev/null)" ]; then  # a package killed mid-unpack: reinstall it
-      echo "uncloseai: dpkg --audit still reports packages: apt-get -f install" >&2
+    # A package killed mid-unpack stays half-installed (reinstall required): reinstall it.
+    uncloseai_half=$(dpkg-query -W -f='${db:Status-Abbrev} ${binary:Package}\n' 2>/dev/null |
+      awk '$1 ~ /^.H/ || $1 ~ /R$/ { print $2 }')
+    if [ -n "$uncloseai_half" ]; then
+      echo "uncloseai: reinstalling what dpkg left half-installed:" $uncloseai_half >&2
+      # shellcheck disable=SC2086  # one word per package
       DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \
-        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold -y -q -f install \
-        || return
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold -y -q \
+        install --reinstall $uncloseai_half || return
     fi
   fi
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \
