@@ -1,5 +1,6 @@
 # The front door. Every target sets up what it needs (the project venv from requirements.txt).
-#   make test                         unit tests + ruff (no hosts needed)
+#   make test                         unit tests + ruff (no hosts needed; as root it apt-installs
+#                                     the distro's caddy and systemd-analyze where missing)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST, under OUT
@@ -21,6 +22,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: lint
+	$(BIN)/python -m tests.unit.host_tools
 	$(BIN)/pytest -q tests/unit
 
 testbed: venv

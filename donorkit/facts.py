@@ -27,22 +27,25 @@ def _first(sections: dict[str, list[str]], name: str) -> str | None:
 
 
 class HostProfile(FactBase):
-    """Distro id (e.g. debian12) and, when nvidia-smi exists, each GPU's name and compute cap."""
+    """Distro id (e.g. debian12) and, when nvidia-smi exists, each GPU's name, compute
+    capability and the NVIDIA driver's version."""
 
     def command(self) -> str:
         return ("echo @@os; . /etc/os-release && echo \"$ID$VERSION_ID\" | tr -d .; "
                 "echo @@gpus; if command -v nvidia-smi >/dev/null; then "
-                "nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader || echo ERROR; "
-                "else echo ABSENT; fi")
+                "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader "
+                "|| echo ERROR; else echo ABSENT; fi")
 
     def process(self, output: list[str]) -> dict:
         sections = _sections(output)
         gpu_lines = sections.get("gpus", [])
         gpus = None
         if gpu_lines and gpu_lines[0] not in ("ABSENT",):
-            rows = [[p.strip() for p in line.split(",", 1)] for line in gpu_lines
+            # From the right: the last two fields are numbers, a name could hold a comma.
+            rows = [[p.strip() for p in line.rsplit(",", 2)] for line in gpu_lines
                     if line and line != "ERROR"]
-            gpus = [{"name": row[0], "compute_cap": row[-1]} for row in rows]
+            gpus = [{"name": row[0], "compute_cap": row[1] if len(row) > 1 else None,
+                     "driver_version": row[2] if len(row) > 2 else None} for row in rows]
         return {"distro": (sections.get("os") or [""])[0], "gpus": gpus,
                 "nvidia_smi_error": "ERROR" in gpu_lines}
 

@@ -23,12 +23,15 @@ OPTIONAL_DONOR_FIELDS = {"ssh_port": int, "ssh_key": str, "ssh_known_hosts_file"
                          "overrides": dict}
 CARD_FIELDS = {"gpu_name": str, "arch": str, "cuda": str, "pip_index_url": str,
                "pip_extra_index_urls": list}
+OPTIONAL_CARD_FIELDS = {"vllm_variant": str}
+VARIANT_RE = re.compile(r"^cu\d{3}$")
 MODEL_FIELDS = {"checkpoint": str, "port": int, "max_model_len": int, "args": list,
                 "environment": dict}
 # Flags the template owns: vLLM must bind loopback only, and an alias hides the checkpoint.
 FORBIDDEN_MODEL_ARGS = ("--host", "--port", "--served-model-name")
 HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
 CUDA_RE = re.compile(r"^\d+\.\d+$")
+DRIVER_RE = re.compile(r"^\d+(\.\d+)*$")
 
 
 class FleetError(Exception):
@@ -89,9 +92,16 @@ def _check_fields(where: str, entry: Any, required: dict, optional: dict | None 
 def _check_profiles(path: Path, defaults: dict) -> None:
     for name, card in (defaults.get("cards") or {}).items():
         where = f"{path}: card '{name}'"
-        _check_fields(where, card, CARD_FIELDS)
+        _check_fields(where, card, CARD_FIELDS, OPTIONAL_CARD_FIELDS)
+        if "vllm_variant" in card and not VARIANT_RE.match(card["vllm_variant"]):
+            raise FleetError(f"{where}: field 'vllm_variant': expected a CUDA variant like "
+                             f"cu128, got {card['vllm_variant']!r}")
         if not CUDA_RE.match(card["cuda"]):
             raise FleetError(f"{where}: field 'cuda': expected MAJOR.MINOR, got {card['cuda']!r}")
+        minimums = defaults.get("cuda_driver_minimums")
+        if not isinstance(minimums, dict) or not DRIVER_RE.match(str(minimums.get(card["cuda"]))):
+            raise FleetError(f"{where}: field 'cuda': CUDA {card['cuda']} has no driver minimum "
+                             "(a version like 580.65.06) under cuda_driver_minimums")
     for name, model in (defaults.get("models") or {}).items():
         where = f"{path}: model '{name}'"
         _check_fields(where, model, MODEL_FIELDS)
@@ -147,6 +157,7 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         ssh_port=donor.get("ssh_port", 22),
         card=card,
         cuda_version=cuda,
+        driver_minimum=str(data["cuda_driver_minimums"][cuda]),
         cuda_home=f"/usr/local/cuda-{cuda}",
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}",
         routes=[{"hostname": h, "model": m} for h, m in sorted(donor["routes"].items())],
@@ -155,6 +166,7 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
         retired_units=[f"vllm-{m}.service" for m in sorted(models) if m not in served],
     )
     data["vllm_executable"] = data["vllm_executable"].format(venv_dir=data["venv_dir"])
+    data.update(venv_install(data))
     for field in ("ssh_key", "ssh_known_hosts_file"):
         if field in donor:  # relative paths are relative to the repo root, like everything else
             data[field] = str((REPO_ROOT / Path(donor[field]).expanduser()).resolve())
@@ -193,3 +205,22 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
         _check_plugin_source(f"{donors_path}: donor '{name}'", data["vllm_exl3_plugin"],
                              require_local_sources)
     return fleet
+
+
+def venv_install(data: dict) -> dict:
+    """What the venv step checks and what pip installs when a check fails, for one host.
+
+    A card with a `vllm_variant` (vLLM's install docs: a CUDA-variant wheel from the GitHub
+    release plus PyTorch's index for that CUDA) gets vllm <version>+<variant> from
+    `vllm_release_wheel_url`; otherwise vllm from the card's index (PyPI's default build)."""
+    card, version = data["card"], data["vllm_version"]
+    variant = card.get("vllm_variant")
+    vllm = f"vllm=={version}+{variant}" if variant else f"vllm=={version}"
+    wheel_url = data["vllm_release_wheel_url"].format(version=version, variant=variant)
+    vllm_source = f"vllm @ {wheel_url}" if variant else vllm
+    rest = [f"torch=={data['torch_version']}", *data["venv_build_packages"]]
+    index_args = " ".join([f"--index-url {card['pip_index_url']}",
+                           *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
+    return {"venv_requirements": [vllm, *rest], "venv_install_specs": [vllm_source, *rest],
+            "venv_index_args": index_args,
+            "vllm_installed_version": f"{version}+{variant}" if variant else version}

@@ -40,8 +40,15 @@ from donorkit.facts import (
 from donorkit.prefetch import Request, read, read_request, reads
 from donorkit.wheel_cache import Exllamav3Stack
 
-APT = ("DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "
-       "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold")
+# `uncloseai_apt_get WAIT ARGS...`: apt-get once apt's and dpkg's locks are free (waiting up to
+# WAIT s, said on stderr), after finishing an interrupted dpkg. Prepended to each apt command.
+APT_FUNCTIONS = (Path(__file__).resolve().parent.parent / "files/apt_get.sh").read_text()
+
+
+def _apt_get(lock_wait: int, *commands: str) -> str:
+    """Shell running `apt-get <command>` for each, in order, through uncloseai_apt_get (the
+    caller puts APT_FUNCTIONS first)."""
+    return " && ".join(f"uncloseai_apt_get {int(lock_wait)} {c}" for c in commands)
 
 
 class Refusal(Exception):
@@ -69,14 +76,17 @@ def refusals_fail_the_host(func: Callable) -> Callable:
 
 @reads(lambda packages, **_: [(DebStatus, {"packages": packages})])
 @operation()
-def apt_install(packages: list[str]):
-    """Install the missing packages; refresh the lists only when something is missing."""
+def apt_install(packages: list[str], lock_wait: int = 600):
+    """Install the missing packages; refresh the lists only when something is missing. Each
+    apt-get waits (up to `lock_wait` s) for apt's and dpkg's locks, and an interrupted dpkg is
+    finished first (files/apt_get.sh)."""
     installed = read(DebStatus, packages=packages)
     missing = [p for p in packages if p not in installed]
     if not missing:
         host.noop(f"installed: {' '.join(packages)}")
         return
-    yield f"{APT} update -q && {APT} install -y -q {' '.join(map(shlex.quote, missing))}"
+    packages_args = " ".join(map(shlex.quote, missing))
+    yield APT_FUNCTIONS + _apt_get(lock_wait, "update -q", f"install -y -q {packages_args}")
 
 
 @reads(lambda dest, **_: [(PathStates, {"paths": [dest], "digest": [dest]})])
@@ -181,9 +191,11 @@ def system_user(user: str, home: str, shell: str):
 @reads(lambda venv_dir, **_: [(VenvDistributions, {"venv_dir": venv_dir})])
 @operation()
 @refusals_fail_the_host
-def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = ""):
+def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = "",
+                  install: list[str] | None = None):
     """Each requirement (`name==version` and the like) satisfied in the venv; pip installs them
-    all together when any is not, so its resolver sees the whole set."""
+    all together when any is not, so its resolver sees the whole set: `install` when given
+    (the same requirements, some as direct references: `vllm @ <wheel URL>`), else `packages`."""
     installed = read(VenvDistributions, venv_dir=venv_dir)
     unmet = []
     for spec in packages:
@@ -199,7 +211,7 @@ def venv_packages(venv_dir: str, packages: list[str], extra_install_args: str = 
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
     yield " ".join([f"{venv_dir}/bin/pip install -q", *filter(None, [extra_install_args]),
-                    *map(shlex.quote, packages)])
+                    *map(shlex.quote, install or packages)])
 
 
 @reads(lambda cuda_home, venv_dir, **_: [(CudaStack, {
@@ -444,40 +456,63 @@ def reloaded_service(unit: str, pending_marker: str):
 @operation()
 @refusals_fail_the_host
 def host_matches_inventory(profile: dict, supported_distros: list[str], card: dict,
-                           require_nvidia_smi: bool):
-    """Refuse a box whose distro or GPU (`profile`: the HostProfile fact) is not what the
-    inventory says, before touching it."""
+                           require_nvidia_smi: bool, driver_minimum: str):
+    """Refuse a box whose distro, GPU or NVIDIA driver (`profile`: the HostProfile fact) is not
+    what the inventory's card profile needs, before anything is installed on it."""
     if profile["distro"] not in supported_distros:
         _fail(f"distro {profile['distro'] or 'unknown'} is not supported "
               f"(supported: {', '.join(supported_distros)})")
     gpus = profile["gpus"]
     if gpus is None:
         if require_nvidia_smi:
-            _fail("nvidia-smi not found: install the NVIDIA driver first")
+            _fail("nvidia-smi not found: install the NVIDIA driver first "
+                  f"({driver_minimum} or newer for card profile '{card['name']}')")
         host.noop("no nvidia-smi here (require_nvidia_smi is off): GPU not checked")
         return
     if profile["nvidia_smi_error"] or not gpus:
         _fail("nvidia-smi is present but lists no GPU (driver not loaded?)")
-    wanted = (card["gpu_name"], card["arch"])
-    if not any((g.get("name"), g.get("compute_cap")) == wanted for g in gpus):
+    named = [g for g in gpus if g.get("name") == card["gpu_name"]]
+    if not named:
         found = "; ".join(f"{g.get('name')} (compute {g.get('compute_cap')})" for g in gpus)
-        _fail(f"inventory says card '{card['name']}' ({wanted[0]}, compute {wanted[1]}) "
-              f"but nvidia-smi reports {found}")
-    host.noop(f"{card['name']} present, distro {profile['distro']}")
+        _fail(f"inventory says card '{card['name']}' ({card['gpu_name']}, compute "
+              f"{card['arch']}) but nvidia-smi reports {found}")
+    gpu = next((g for g in named if g.get("compute_cap") == card["arch"]), None)
+    if gpu is None:
+        _fail(f"nvidia-smi reports {card['gpu_name']} with compute capability "
+              f"{named[0].get('compute_cap')}, card profile '{card['name']}' is built for "
+              f"{card['arch']}")
+    driver = gpu.get("driver_version")
+    if not driver_at_least(driver, driver_minimum):
+        _fail(f"NVIDIA driver {driver or 'unknown'} is older than {driver_minimum}, the minimum "
+              f"for CUDA {card['cuda']} (card profile '{card['name']}'): upgrade the driver; "
+              "nothing was installed")
+    host.noop(f"{card['name']} present, driver {driver} (>= {driver_minimum}), "
+              f"distro {profile['distro']}")
     return
     yield
 
 
+def driver_at_least(found: str | None, minimum: str) -> bool:
+    """NVIDIA driver versions compare as dotted numbers (580.65.06 >= 580.65.6 > 570.195)."""
+    def numbers(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("."))
+    try:
+        return found is not None and numbers(found) >= numbers(minimum)
+    except ValueError:
+        return False
+
+
 @reads(lambda provides, **_: [(PathStates, {"paths": [provides]})])
 @operation()
-def deb_from_url(url: str, provides: str):
-    """Install a .deb fetched from `url` unless the file it provides is already there."""
+def deb_from_url(url: str, provides: str, lock_wait: int = 600):
+    """Install a .deb fetched from `url` unless the file it provides is already there (apt
+    waits for its locks as in apt_install)."""
     if read(PathStates, paths=[provides]).get(provides):
         host.noop(f"{provides} present")
         return
     tmp = f"/tmp/uncloseai-{hashlib.sha256(url.encode()).hexdigest()[:12]}.deb"
-    yield (f"curl -fsSL --retry 3 -o {tmp} {shlex.quote(url)} && "
-           f"{APT} install -y -q {tmp}; rc=$?; rm -f {tmp}; exit $rc")
+    yield (f"{APT_FUNCTIONS}curl -fsSL --retry 3 -o {tmp} {shlex.quote(url)} && "
+           f"{_apt_get(lock_wait, f'install -y -q {tmp}')}; rc=$?; rm -f {tmp}; exit $rc")
 
 
 @reads(lambda unit, unit_path, **_: [_unit_and_file(unit, unit_path)])

@@ -4,4 +4,5 @@ from pyinfra import host
 
 from donorkit.operations import apt_install
 
-apt_install(name="Install build tools", packages=host.data.build_packages)
+apt_install(name="Install build tools", packages=host.data.build_packages,
+            lock_wait=host.data.apt_lock_wait)

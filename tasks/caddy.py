@@ -16,7 +16,8 @@ from donorkit.render import CADDYFILE, render_host
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
 
 if host.data.caddy_source == "upstream":
-    apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"])
+    apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"],
+                lock_wait=host.data.apt_lock_wait)
     keyring = "/usr/share/keyrings/caddy-stable-archive-keyring.gpg"
     files.download(name="Fetch Caddy's repository key", src=host.data.caddy_upstream_key_url,
                    dest=f"{keyring}.asc")
@@ -26,7 +27,7 @@ if host.data.caddy_source == "upstream":
                  "any-version main\n"),
         dest="/etc/apt/sources.list.d/caddy-stable.list",
     )
-apt_install(name="Install Caddy", packages=["caddy"])
+apt_install(name="Install Caddy", packages=["caddy"], lock_wait=host.data.apt_lock_wait)
 
 directories(name="Create the TLS directory", paths=[host.data.caddy_tls_dir], group="caddy",
             mode="750")

@@ -1,4 +1,5 @@
-"""Preflight: the distro is supported and the GPU is the card the inventory names."""
+"""Preflight: the distro is supported, the GPU is the card the inventory names, and its NVIDIA
+driver is new enough for the card profile's CUDA: before anything is installed."""
 
 from pyinfra import host
 
@@ -6,9 +7,10 @@ from donorkit.facts import host_profile
 from donorkit.operations import host_matches_inventory
 
 host_matches_inventory(
-    name="Check distro and GPU against the inventory",
+    name="Check distro, GPU and driver against the inventory",
     profile=host_profile(),
     supported_distros=host.data.supported_distros,
     card=host.data.card,
     require_nvidia_smi=host.data.require_nvidia_smi,
+    driver_minimum=host.data.driver_minimum,
 )

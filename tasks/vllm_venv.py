@@ -6,17 +6,14 @@ from pyinfra import host
 from donorkit.operations import python_venv, torch_matches_nvcc, venv_packages
 
 venv = host.data.venv_dir
-card = host.data.card
-index_args = " ".join([f"--index-url {card['pip_index_url']}",
-                       *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
 
 python_venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
 venv_packages(
-    name=f"Install vllm {host.data.vllm_version} and torch {host.data.torch_version}",
+    name=f"Install vllm {host.data.vllm_installed_version} and torch {host.data.torch_version}",
     venv_dir=venv,
-    packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}",
-              *host.data.venv_build_packages],
-    extra_install_args=index_args,
+    packages=host.data.venv_requirements,
+    install=host.data.venv_install_specs,
+    extra_install_args=host.data.venv_index_args,
 )
 torch_matches_nvcc(
     name="Check torch's CUDA major against nvcc's",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -62,21 +63,32 @@ def sha256_of(*parts: bytes | str | Path) -> str:
     return h.hexdigest()
 
 
+# Where the testbed looks for the commands it needs (sbin too: a non-root PATH may lack it).
+TOOL_DIRS = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+
+
+def have(cmd: str) -> bool:
+    """Whether `cmd` can be run here (looked up in TOOL_DIRS, then PATH)."""
+    dirs = [*TOOL_DIRS, *os.environ.get("PATH", "").split(os.pathsep)]
+    return shutil.which(cmd, path=os.pathsep.join(d for d in dirs if d)) is not None
+
+
+def missing_packages(packages: dict[str, str]) -> list[str]:
+    """The packages of {package: command it provides} whose command cannot be found here."""
+    return [pkg for pkg, cmd in packages.items() if not have(cmd)]
+
+
 def apt_install_missing(packages: dict[str, str]) -> None:
     """Install {package: command it provides} where the command is missing (idempotent)."""
-    missing = [pkg for pkg, cmd in packages.items() if not _have(cmd)]
+    missing = missing_packages(packages)
     if not missing:
         return
-    log(f"apt-get install {' '.join(missing)}")
+    log(f"missing here: {' '.join(missing)}; apt-get install {' '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", *APT_OPTS, "install", "-y", *missing]
     if run(install, check=False, quiet=True, env=env).returncode:  # stale lists: update, retry
         run(["apt-get", *APT_OPTS, "update"], env=env)
         run(install, env=env)
-
-
-def _have(cmd: str) -> bool:
-    return any((Path(d) / cmd).exists() for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"))
 
 
 def find_pids(match: Callable[[list[str]], bool]) -> list[int]:

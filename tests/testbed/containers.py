@@ -22,8 +22,9 @@ def host_dir(name: str) -> Path:
     return HOSTS_DIR / name
 
 
-def prepare_root(name: str, pubkey: str) -> Path:
-    """Overlay the base: writes land in the host's upper dir: instant start, clean base."""
+def prepare_root(name: str, pubkey: str, gpu: dict[str, str] | None = None) -> Path:
+    """Overlay the base: writes land in the host's upper dir: instant start, clean base.
+    `gpu` ({name, compute_cap, driver_version}) is what the stand-in nvidia-smi reports."""
     d = host_dir(name)
     root = d / "root"
     for sub in ("upper", "work", "root"):
@@ -31,6 +32,9 @@ def prepare_root(name: str, pubkey: str) -> Path:
     opts = f"lowerdir={BASE},upperdir={d / 'upper'},workdir={d / 'work'}"
     run(["mount", "-t", "overlay", "overlay", "-o", opts, root])
     _personalize(root, name, pubkey)
+    if gpu:
+        (root / "etc/uncloseai-testbed-gpu").write_text(
+            "".join(f"{k}={v}\n" for k, v in gpu.items()))
     return root
 
 
@@ -66,6 +70,26 @@ def boot(name: str, ns: str) -> subprocess.Popen:
     # PID 1 of this machine is not systemd: --register=no --keep-unit keep nspawn off machined/dbus.
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def exit_status(pid: int) -> str:
+    """How an nspawn this process started ended (reaped here), for the log."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "exit status unknown (not our child)"
+    if not done:
+        return "still running"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def console_log(name: str) -> str:
+    try:
+        return (LOGS / f"{name}.console.log").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def is_ours(pid: int, name: str) -> bool:

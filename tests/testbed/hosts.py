@@ -24,7 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
 from . import containers, cuda_standin, network, rootfs, www
-from .common import WORK, apt_install_missing, log, phase, run
+from .common import REPO_ROOT, WORK, apt_install_missing, log, phase, run
 
 DEFAULT_HOSTS: list[tuple[str, str]] = [("tb-4090", "10.213.0.11"), ("tb-3090", "10.213.0.12")]
 STATE = WORK / "state.json"
@@ -32,6 +32,10 @@ SSH_DIR = WORK / "ssh"
 SSH_KEY = SSH_DIR / "id_ed25519"
 KNOWN_HOSTS = WORK / "known_hosts"
 READY_TIMEOUT = 180.0
+# What each host's stand-in nvidia-smi reports: the card of its entry in tests/testbed/donors.yml
+# (rtx4090 for a host not listed there, as the benchmark's), with a driver new enough for it.
+DONORS = REPO_ROOT / "tests/testbed/donors.yml"
+GOOD_DRIVER = "580.95.05"
 # Debian package -> a command it provides; installed only where the command is missing.
 TOOLS = {"debootstrap": "debootstrap", "systemd-container": "systemd-nspawn", "nftables": "nft",
          "iproute2": "ip", "dpkg-dev": "dpkg-scanpackages", "apt-utils": "apt-ftparchive",
@@ -62,20 +66,33 @@ def ssh(host: Host | str, command: str, check: bool = True,
     return run([*ssh_command(host), command], check=check, quiet=True, timeout=timeout)
 
 
+def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, str]:
+    """The GPU a host's stand-in nvidia-smi reports (`drivers`: a host's other driver)."""
+    from donorkit.fleet import read_yaml
+
+    defaults = read_yaml(REPO_ROOT / "inventory/defaults.yml")
+    donor = (read_yaml(DONORS).get("donors") or {}).get(name) or {}
+    card = defaults["cards"][donor.get("card", "rtx4090")]
+    return {"name": card["gpu_name"], "compute_cap": card["arch"],
+            "driver_version": (drivers or {}).get(name, GOOD_DRIVER)}
+
+
 def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
-       times: dict[str, float] | None = None) -> list[Host]:
-    """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
+       times: dict[str, float] | None = None,
+       drivers: dict[str, str] | None = None) -> list[Host]:
+    """Bring the hosts up from scratch (anything left from an earlier run is torn down first).
+    `drivers`: {host: driver version} its stand-in nvidia-smi reports instead of a good one."""
     times = {} if times is None else times
     _validate(hosts)
+    apt_install_missing(TOOLS)  # first: teardown of an earlier run's leftovers may need them
     down()
-    apt_install_missing(TOOLS)
     with phase("rootfs", times):
         rootfs.ensure_base()
     with phase("repo build", times):
         cuda_standin.build_repo(www.WWW)
         www.build_git_repo(www.WWW)
     with phase("hosts up", times):
-        started = _start(hosts)
+        started = _start(hosts, {name: standin_gpu(name, drivers) for name, _ in hosts})
     for h in started:
         print(f"{h.name}\t{h.ip}")
     return started
@@ -94,7 +111,7 @@ def _validate(hosts: Sequence[tuple[str, str]]) -> None:
             raise ValueError(f"{name}: {ip} is not a host address in {network.SUBNET}")
 
 
-def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
+def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict]) -> list[Host]:
     state: dict = {"http_pid": None, "hosts": []}
     network.bridge_up()
     _save(state)  # from here on, whatever exists is recorded before the next step can fail
@@ -108,12 +125,19 @@ def _start(hosts: Sequence[tuple[str, str]]) -> list[Host]:
         state["hosts"].append(asdict(host))
         _save(state)
         network.host_net_up(name, ip)
-        containers.prepare_root(name, pubkey)
+        containers.prepare_root(name, pubkey, gpus[name])
         host.pid = containers.boot(name, host.netns).pid
         state["hosts"][-1] = asdict(host)
         _save(state)
         started.append(host)
-    _wait_ready(started)
+
+    def restart(host: Host) -> None:
+        """Start a host's nspawn once more (see _keyscan), recorded before it can fail."""
+        host.pid = containers.boot(host.name, host.netns).pid
+        state["hosts"] = [asdict(h) for h in started]
+        _save(state)
+
+    _wait_ready(started, restart)
     return started
 
 
@@ -126,10 +150,10 @@ def _new_ssh_key() -> str:
     return SSH_KEY.with_suffix(".pub").read_text()
 
 
-def _wait_ready(hosts: list[Host]) -> None:
+def _wait_ready(hosts: list[Host], restart) -> None:
     """known_hosts from each sshd once it answers, then systemd must reach running/degraded."""
     deadline = time.monotonic() + READY_TIMEOUT
-    lines = [_keyscan(h, deadline) for h in hosts]
+    lines = [_keyscan(h, deadline, restart) for h in hosts]
     KNOWN_HOSTS.write_text("".join(lines))
     for h in hosts:
         left = max(5.0, deadline - time.monotonic())
@@ -140,10 +164,23 @@ def _wait_ready(hosts: list[Host]) -> None:
         log(f"{h.name} ({h.ip}): systemd {state.stdout.strip()}, sshd answers")
 
 
-def _keyscan(host: Host, deadline: float) -> str:
+def _keyscan(host: Host, deadline: float, restart) -> str:
+    """The host's sshd keys once it answers. An nspawn that exits before that is started once
+    more, saying so: seen once right after a teardown (nspawn gone, console log empty), and the
+    same start a second later worked; the log line keeps its exit status and console output."""
+    retried = False
     while time.monotonic() < deadline:
         if host.pid and not containers.is_ours(host.pid, host.name):
-            raise RuntimeError(f"{host.name}: nspawn exited; see {containers.LOGS}")
+            status = containers.exit_status(host.pid)
+            console = containers.console_log(host.name)
+            if retried:
+                raise RuntimeError(f"{host.name}: nspawn exited again ({status}); console log "
+                                   f"{containers.LOGS / (host.name + '.console.log')}: "
+                                   f"{console[-2000:]!r}")
+            log(f"{host.name}: nspawn exited right after its start ({status}; console log: "
+                f"{console[-500:]!r}): starting it once more")
+            restart(host)
+            retried = True
         out = run(["ssh-keyscan", "-T", "2", host.ip], check=False, quiet=True).stdout
         if out.strip():
             return out
@@ -195,11 +232,12 @@ def status() -> list[dict]:
 
 @contextmanager
 def testbed(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
-            times: dict[str, float] | None = None) -> Iterator[list[Host]]:
+            times: dict[str, float] | None = None,
+            drivers: dict[str, str] | None = None) -> Iterator[list[Host]]:
     """Hosts up for the block, torn down after it (also on error, Ctrl-C or SIGTERM)."""
     restore = _sigterm_raises()
     try:
-        yield up(hosts, times)
+        yield up(hosts, times, drivers)
     finally:
         try:
             down(times)

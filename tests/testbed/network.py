@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import WORK, log, run
+from .common import WORK, have, log, run
 
 BRIDGE = "ucbr0"
 GATEWAY = "10.213.0.1"
@@ -67,28 +67,37 @@ def host_net_up(host: str, ip: str) -> str:
 
 
 def our_netns() -> list[str]:
+    if not have("ip"):  # no iproute2 here: no namespace of ours can exist
+        return []
     out = run(["ip", "netns", "list"], check=False, quiet=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
 
 
 def netns_pids(ns: str) -> list[int]:
+    if not have("ip"):
+        return []
     out = run(["ip", "netns", "pids", ns], check=False, quiet=True).stdout
     return [int(p) for p in out.split()]
 
 
 def our_links() -> list[str]:
+    if not have("ip"):
+        return []
     out = run(["ip", "-o", "link", "show"], check=False, quiet=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
     return [n for n in names if n == BRIDGE or (n.startswith(VETH_PREFIX) and n[3:].isdigit())]
 
 
 def teardown() -> None:
-    """Delete namespaces, veths, bridge and nft table; restore ip_forward. Safe when none exist."""
+    """Delete namespaces, veths, bridge and nft table; restore ip_forward. Safe when none exist,
+    and a no-op for what cannot exist yet: without `ip` or `nft` (a fresh machine, before `up`
+    installed them) there are no namespaces, links or nft tables of ours."""
     for ns in our_netns():
         run(["ip", "netns", "delete", ns], check=False)
     for link in our_links():  # deleting a namespace drops its veth pair; this catches the rest
         run(["ip", "link", "delete", link], check=False)
-    if run(["nft", "list", "table", "ip", NFT_TABLE], check=False, quiet=True).returncode == 0:
+    if have("nft") and run(["nft", "list", "table", "ip", NFT_TABLE], check=False,
+                           quiet=True).returncode == 0:
         run(["nft", "delete", "table", "ip", NFT_TABLE], check=False)
     if IP_FORWARD_SAVED.exists():
         old = IP_FORWARD_SAVED.read_text().strip()

@@ -69,9 +69,11 @@ def _customize(root: Path) -> None:
     if not wants.is_symlink():
         wants.parent.mkdir(parents=True, exist_ok=True)
         wants.symlink_to("/lib/systemd/system/ssh.service")
-    standin = root / "usr/local/bin/vllm-standin"
-    shutil.copyfile(STANDINS / "vllm-standin", standin)
-    standin.chmod(0o755)
+    # Stand-ins (test doubles): vllm's server, and nvidia-smi answering from a per-host file.
+    for name in ("vllm-standin", "nvidia-smi"):
+        standin = root / "usr/local/bin" / name
+        shutil.copyfile(STANDINS / name, standin)
+        standin.chmod(0o755)
     (root / "root/.cache/pip").mkdir(parents=True, exist_ok=True)
 
 

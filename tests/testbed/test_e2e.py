@@ -6,7 +6,10 @@ What each host must end as:
 - tb-4090 converges: real vllm 0.26.0 + torch from PyPI in the venv, a real nvcc 13.3 (NVIDIA's
   PyPI wheels packaged as the stand-in cuda-toolkit-13-3), the stand-in exllamav3 compiled by it.
 - tb-3090 stops at the CUDA step with a message naming it and the missing nvcc (PyPI has no CUDA
-  12.8 compiler, and its CUDA-12 wheel index is unreachable here), while tb-4090 carries on.
+  12.8 compiler), while tb-4090 carries on; its apt steps first wait for apt's locks, held by
+  another process for 30 s as the deploy starts (a first-boot box).
+- tb-olddriver (its stand-in nvidia-smi reports an R570 driver) stops at the preflight.
+- tb-4090b, whose dpkg was killed mid-install, converges from the cached exllamav3 wheel.
 """
 
 from __future__ import annotations
@@ -32,15 +35,26 @@ from tests.testbed.hosts import Host, ssh
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors.yml"
-GOOD, BAD, SECOND = "tb-4090", "tb-3090", "tb-4090b"
-HOSTS = [(GOOD, "10.213.0.11"), (BAD, "10.213.0.12"), (SECOND, "10.213.0.13")]
+GOOD, BAD, SECOND, OLD = "tb-4090", "tb-3090", "tb-4090b", "tb-olddriver"
+HOSTS = [(GOOD, "10.213.0.11"), (BAD, "10.213.0.12"), (SECOND, "10.213.0.13"),
+         (OLD, "10.213.0.14")]
+# What OLD's stand-in nvidia-smi reports: an R570 driver, too old for the rtx4090's CUDA 13.3.
+OLD_DRIVER = "570.195.03"
 TIMES: dict[str, float] = {}
+# Holds apt's lists lock and dpkg's frontend lock the way apt does (fcntl record locks), as
+# apt-daily and unattended-upgrades do on a box that just booted.
+LOCK_HOLDER = ("import fcntl, time\n"
+               "held = [open(p, 'a') for p in ('/var/lib/apt/lists/lock', "
+               "'/var/lib/dpkg/lock-frontend')]\n"
+               "for f in held: fcntl.lockf(f, fcntl.LOCK_EX)\n"
+               "open('/run/uncloseai-locks-held', 'w').close()\n"
+               "time.sleep({seconds})\n")
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[dict[str, Host]]:
     shutil.rmtree(REPO_ROOT / ".testbed/wheel-cache", ignore_errors=True)
-    with bed.testbed(HOSTS, times=TIMES) as started:
+    with bed.testbed(HOSTS, times=TIMES, drivers={OLD: OLD_DRIVER}) as started:
         yield {h.name: h for h in started}
     print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
@@ -102,11 +116,41 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
     ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
-    rc, report, log = deploy("--exclude", SECOND)
+    # A first-boot box: tb-3090's apt locks are held for 30 s as the deploy starts. Its apt
+    # steps wait (said on stderr: -vvv prints it) and go on; tb-4090 runs meanwhile.
+    bad = hosts[BAD]
+    ssh(bad, "rm -f /run/uncloseai-locks-held; nohup setsid python3 -c "
+             f"{shlex.quote(LOCK_HOLDER.format(seconds=30))} </dev/null >/dev/null 2>&1 &")
+    ssh(bad, "for i in $(seq 50); do test -e /run/uncloseai-locks-held && exit 0; sleep 0.1; "
+             "done; exit 1")
+    rc, report, log = deploy("--exclude", SECOND, "-vvv")
     TIMES["first converge"] = report["elapsed"]
     assert failed_ops(report, GOOD) == [], log[-4000:]
-    assert report["results"]["failed_hosts"] == [BAD], log[-4000:]
-    assert rc != 0  # one host failed
+    assert sorted(report["results"]["failed_hosts"]) == sorted([BAD, OLD]), log[-4000:]
+    assert rc != 0  # two hosts failed
+    busy = re.search(r"uncloseai: apt is busy \((/var/lib/\S+) held by pid \d+", log)
+    free = re.search(r"uncloseai: apt's locks are free after (\d+) s", log)
+    assert busy and free, "tb-3090's apt step did not say it waited for the locks"
+    TIMES["apt lock wait seen"] = float(free[1])
+    print(f"\ntb-3090 waited {free[1]} s for apt's locks ({busy[1]} was held)")
+    assert int(free[1]) >= 5
+    # ... and then ran its apt steps to the end: it stops at the CUDA step, as always.
+    assert f"uncloseai: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing" in log, log[-4000:]
+
+
+def test_old_driver_stops_at_the_preflight_before_installing(hosts: dict[str, Host]) -> None:
+    """Its stand-in nvidia-smi reports an R570 driver: refused by name, minimum and profile,
+    before any package is installed (the first converge above ran it beside the others)."""
+    rc, report, output = deploy("--limit", OLD, want_json=False)
+    assert rc != 0
+    refusal = (f"uncloseai: {OLD}: NVIDIA driver {OLD_DRIVER} is older than 580.65.06, the "
+               "minimum for CUDA 13.3 (card profile 'rtx4090')")
+    assert refusal in output, output[-4000:]
+    assert "Starting operation: tasks/cuda.py" not in output[output.index(refusal):]
+    nothing = ssh(hosts[OLD], "test ! -e /usr/share/keyrings/cuda-archive-keyring.gpg && "
+                              "test ! -e /etc/apt/sources.list.d/cuda-debian12-x86_64.list && "
+                              "! dpkg -s ninja-build >/dev/null 2>&1", check=False)
+    assert nothing.returncode == 0, "something was installed on the box with the old driver"
 
 
 def test_broken_host_stops_at_the_cuda_step_with_a_clear_message(hosts: dict[str, Host]) -> None:
@@ -171,11 +215,26 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     that wheel: no clone, no compiler."""
     wheels = sorted((REPO_ROOT / ".testbed/wheel-cache").rglob("exllamav3-*.whl"))
     assert len(wheels) == 1, wheels
-    rc, report, log = deploy("--limit", SECOND)
+    second = hosts[SECOND]
+    # Before its first deploy, tb-4090b's dpkg is killed mid-install (as an SSH drop would):
+    # the deploy must finish it (dpkg --configure -a) and converge.
+    started = time.monotonic()
+    ssh(second, "apt-get -q update >/dev/null")
+    killed = ssh(second, "nohup setsid apt-get -q -y install build-essential </dev/null "
+                         ">/tmp/apt.log 2>&1 & "
+                         "for i in $(seq 3000); do if pgrep -f '[-]-unpack' >/dev/null; then "
+                         "sleep 1; pkill -KILL -x dpkg; pkill -KILL -x apt-get; echo killed; "
+                         "exit 0; fi; sleep 0.1; done; exit 1", check=False, timeout=600)
+    assert killed.stdout.strip() == "killed", f"no dpkg --unpack to kill: {killed.stdout}"
+    audit = ssh(second, "sleep 0.5; dpkg --audit; ls /var/lib/dpkg/updates", check=False).stdout
+    assert audit.strip(), "dpkg was killed but left nothing to finish"
+    TIMES["dpkg killed mid-install"] = time.monotonic() - started
+    rc, report, log = deploy("--limit", SECOND, "-vvv")
     TIMES["second box (cache hit)"] = report["elapsed"]
     assert rc == 0, log[-4000:]
+    assert "uncloseai: dpkg was interrupted: running dpkg --configure -a first" in log
+    assert ssh(second, "dpkg --audit").stdout.strip() == ""
     assert "building v1.5.1" not in log and "exllamav3: building" not in log, log[-4000:]
-    second = hosts[SECOND]
     assert ssh(second, "test -e /opt/uncloseai/src/exllamav3", check=False).returncode != 0
     imported = ssh(second, "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
                            "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'").stdout
@@ -196,11 +255,16 @@ def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     good = {k: v for k, v in outcomes.items() if f"[{GOOD}" in k or f"[{SECOND}" in k}
     bad = {k: v for k, v in outcomes.items() if f"[{BAD}" in k}
     not_passed = {k: v for k, v in good.items() if v != "passed"}
-    # The only check a container cannot answer: there is no GPU to ask nvidia-smi about.
-    no_gpu = {f"test_gpu_is_the_inventory_card[{h}]": "skipped" for h in (GOOD, SECOND)}
+    # The only check a container cannot answer: torch cannot reach a GPU that is not there
+    # (nvidia-smi's card and driver checks run against the stand-in).
+    no_gpu = {f"test_torch_sees_the_gpu_as_service_user[{h}:qwen]": "skipped"
+              for h in (GOOD, SECOND)}
     assert good and not_passed == no_gpu, not_passed
+    for h in (GOOD, SECOND):
+        assert good[f"test_driver_is_new_enough_for_the_card_cuda[{h}]"] == "passed"
     nvcc_failures = [k for k, v in bad.items() if v == "failed" and "nvcc" in k]
     assert nvcc_failures, f"tb-3090's missing nvcc was not reported as a failure: {bad}"
+    assert outcomes[f"test_driver_is_new_enough_for_the_card_cuda[{OLD}]"] == "failed"
 
 
 def junit_outcomes(path: Path) -> dict[str, str]:

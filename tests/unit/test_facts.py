@@ -48,10 +48,12 @@ def test_cuda_stack_reads_nvcc_and_torch_version_without_importing(tmp_path: Pat
 def test_host_profile_parses_os_release_and_nvidia_smi() -> None:
     fact = HostProfile()
     assert fact.process(["@@os", "ubuntu2404", "@@gpus",
-                         "NVIDIA GeForce RTX 4090, 8.9"]) == {
-        "distro": "ubuntu2404", "gpus": [{"name": "NVIDIA GeForce RTX 4090", "compute_cap": "8.9"}],
+                         "NVIDIA GeForce RTX 4090, 8.9, 580.95.05"]) == {
+        "distro": "ubuntu2404", "gpus": [{"name": "NVIDIA GeForce RTX 4090", "compute_cap": "8.9",
+                                          "driver_version": "580.95.05"}],
         "nvidia_smi_error": False}
     assert fact.process(["@@os", "debian12", "@@gpus", "ABSENT"])["gpus"] is None
+    assert "--query-gpu=name,compute_cap,driver_version" in fact.command()
     here = fact.process(run(fact.command()))
     assert here["distro"] == "debian12"  # this machine and CI's are Debian 12
 

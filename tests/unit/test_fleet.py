@@ -122,3 +122,20 @@ def test_pyinfra_inventory_groups_by_card(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert "box-a" in output and "rtx3090" in output
+
+
+def test_each_card_gets_the_driver_minimum_of_its_cuda() -> None:
+    fleet = load_fleet(DONORS_FILE)
+    assert fleet["hermes-4090"]["driver_minimum"] == "580.65.06"  # CUDA 13.3: R580
+    assert fleet["qwen-3090"]["driver_minimum"] == "570.26"  # CUDA 12.8 GA
+
+
+def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path) -> None:
+    defaults = (REPO_ROOT / "inventory/defaults.yml").read_text()
+    broken = tmp_path / "defaults.yml"
+    broken.write_text(defaults.replace('  "12.8": "570.26"\n', ""))
+    with pytest.raises(FleetError) as caught:
+        load_fleet(DONORS_FILE, broken)
+    assert str(caught.value) == (f"{broken}: card 'rtx3090': field 'cuda': CUDA 12.8 has no "
+                                 "driver minimum (a version like 580.65.06) under "
+                                 "cuda_driver_minimums")

@@ -58,8 +58,11 @@ def as_text(command: object) -> str:
     if isinstance(command, FileUploadCommand):
         return f"upload {command.dest}"
     if isinstance(command, StringCommand):
-        return command.get_raw_value()
-    return str(command)
+        text = command.get_raw_value()
+    else:
+        text = str(command)
+    # apt commands carry files/apt_get.sh's shell function (tested on its own in a real shell).
+    return text.replace(operations.APT_FUNCTIONS, "<files/apt_get.sh>")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.stem}" for c in CASES])

@@ -3,11 +3,15 @@ built for this card, and (where a driver is present) the card being the one the 
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 
 import pytest
-from boxcheck import check, missing, sass_archs, sm, venv_json
+from boxcheck import as_user, check, missing, sass_archs, sm, unit_env, user_home, venv_json
 from testinfra.host import Host
+
+from donorkit.operations import driver_at_least
 
 VERSIONS = ("import importlib.metadata as md, json\n"
             "def version(name):\n"
@@ -26,7 +30,8 @@ def test_vllm_version(host: Host, data: dict) -> None:
     found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
     if found["vllm"] is None:
         missing(host, f"vllm is not installed in {data['venv_dir']}")
-    assert found["vllm"] == data["vllm_version"]
+    # A card's CUDA variant (vllm_variant) shows as the local tag: 0.26.0+cu128.
+    assert found["vllm"] == data["vllm_installed_version"]
 
 
 def test_torch_version(host: Host, data: dict) -> None:
@@ -54,15 +59,49 @@ def test_exllamav3_ext_built_for_card(host: Host, data: dict) -> None:
     assert want in found, f"{path} has no {want} code (has {sorted(found)}, from {how})"
 
 
-def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
+def _gpus(host: Host) -> list[tuple[str, str, str]]:
+    """(name, compute capability, driver version) of each GPU nvidia-smi lists."""
     if not host.exists("nvidia-smi"):
         pytest.skip("nvidia-smi is not on this box (no NVIDIA driver to ask)")
-    out = check(host, "nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader",
-                "nvidia-smi").stdout
-    gpus = [tuple(f.strip() for f in line.split(",")) for line in out.splitlines() if line]
-    card = data["card"]
+    out = check(host, "nvidia-smi --query-gpu=name,compute_cap,driver_version "
+                      "--format=csv,noheader", "nvidia-smi").stdout
+    gpus = [tuple(f.strip() for f in line.rsplit(",", 2)) for line in out.splitlines() if line]
     assert gpus, "nvidia-smi lists no GPU"
-    for name, cap in gpus:
+    return gpus
+
+
+def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
+    card = data["card"]
+    for name, cap, _ in _gpus(host):
         assert (name, cap) == (card["gpu_name"], card["arch"]), (
             f"GPU {name} (compute {cap}) is not the inventory's {card['name']}: "
             f"{card['gpu_name']} (compute {card['arch']})")
+
+
+def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: dict) -> None:
+    """The preflight's refusal, checked again: torch's CUDA runtime needs this driver."""
+    minimum = data["driver_minimum"]
+    for name, _, driver in _gpus(host):
+        assert driver_at_least(driver, minimum), (
+            f"{name}: NVIDIA driver {driver} is older than {minimum}, the minimum for CUDA "
+            f"{data['card']['cuda']} (card profile '{data['card']['name']}')")
+
+
+TORCH_SEES_GPU = ("import json, torch; print(json.dumps([torch.cuda.is_available(), "
+                  "torch.cuda.device_count() and torch.cuda.get_device_name(0)]))")
+
+
+def test_torch_sees_the_gpu_as_service_user(host: Host, data: dict, m: dict) -> None:
+    """`torch.cuda.is_available()` as the service user with the unit's environment: what
+    "CUDA driver version is insufficient for CUDA runtime version" breaks, after installing."""
+    if not host.file("/proc/driver/nvidia/version").exists:
+        pytest.skip("no NVIDIA kernel driver here (/proc/driver/nvidia/version absent): no GPU")
+    env, source = unit_env(host, data, m)
+    user = data["service_user"]
+    script = f"{data['venv_dir']}/bin/python -c {shlex.quote(TORCH_SEES_GPU)}"
+    result = host.run(as_user(user, user_home(host, user), env, script))
+    assert result.rc == 0, f"torch as {user} ({source}):\n{result.stdout}\n{result.stderr}"
+    available, device = json.loads(result.stdout.strip().splitlines()[-1])
+    assert available, (f"torch.cuda.is_available() is False as {user} with the environment of "
+                       f"{source}:\n{result.stderr}")
+    print(f"torch as {user}: {device}")

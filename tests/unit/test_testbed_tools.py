@@ -1,0 +1,50 @@
+"""The testbed on a fresh machine: with none of its tools installed, tearing down what cannot exist
+yet is a no-op (never an error) and the tool check names every missing package. Run here with
+the tools out of reach: the lookup pointed at an empty directory and PATH emptied, and every
+place the teardown reads or deletes moved to an empty temporary directory (never this machine's
+real testbed, which another run may be using)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.testbed import common, containers, hosts, network
+
+
+@pytest.fixture
+def no_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setattr(common, "TOOL_DIRS", [str(empty)], raising=False)
+    monkeypatch.setenv("PATH", str(empty))
+    work = tmp_path / "testbed"
+    monkeypatch.setattr(hosts, "STATE", work / "state.json")
+    monkeypatch.setattr(hosts, "KNOWN_HOSTS", work / "known_hosts")
+    monkeypatch.setattr(hosts, "SSH_KEY", work / "ssh/id_ed25519")
+    monkeypatch.setattr(containers, "HOSTS_DIR", work / "hosts")
+    monkeypatch.setattr(network, "IP_FORWARD_SAVED", work / "ip_forward.orig")
+    return work
+
+
+def test_teardown_without_any_tool_is_a_no_op(no_tools: Path) -> None:
+    hosts.down()  # today's `hosts.up` ran this before installing nft: "No such file: 'nft'"
+    network.teardown()
+    assert network.our_netns() == [] and network.our_links() == []
+
+
+def test_tool_check_names_every_missing_package(no_tools: Path) -> None:
+    assert common.missing_packages(hosts.TOOLS) == list(hosts.TOOLS)
+    assert common.missing_packages({"caddy": "caddy"}) == ["caddy"]
+
+
+def test_tool_check_finds_a_tool_in_its_directories(no_tools: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    found = tmp_path / "sbin"
+    found.mkdir()
+    (found / "nft").write_text("#!/bin/sh\n")
+    (found / "nft").chmod(0o755)
+    monkeypatch.setattr(common, "TOOL_DIRS", [str(found)])
+    assert "nftables" not in common.missing_packages(hosts.TOOLS)
+    assert "debootstrap" in common.missing_packages(hosts.TOOLS)
