@@ -110,8 +110,8 @@ def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        # A union tried each shape: report the shape the data looks like (its keys), else first.
+        # A misspelt key shows as "unknown" and its right spelling as "missing": name the first.
+        errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
         error = errors[0]
         field = _field(error["loc"])
         problem = _problem(error, model)

@@ -16,6 +16,7 @@ from donorkit.pki import Pki
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
 CADDYFILE = "/etc/caddy/Caddyfile"
+CADDY_DROP_IN = f"{UNIT_DIR}/caddy.service.d/uncloseai.conf"
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,17 @@ def render_caddyfile(data: dict) -> str:
     return _environment().get_template("Caddyfile.j2").render(data, tls_cert=cert, tls_key=key)
 
 
+def render_caddy_drop_in(data: dict) -> str:
+    """caddy.service's drop-in: the directory of the admin socket, entered by root and caddy only
+    (the distro's unit has none; Caddy does not create it)."""
+    socket_dir = str(Path(data["caddy_admin_socket"]).parent)  # /run/<dir>: the schema's shape
+    return ("# Managed by the uncloseai donor deploy. The admin API's socket lives here:\n"
+            "# only root and caddy may enter (mode 0750, caddy:caddy from User=/Group=).\n"
+            "[Service]\n"
+            f"RuntimeDirectory={socket_dir.removeprefix('/run/')}\n"
+            "RuntimeDirectoryMode=0750\n")
+
+
 def pki_for(data: dict) -> Pki:
     return Pki(REPO_ROOT / data["pki_dir"], data["pki_renew_days"])
 
@@ -144,6 +156,7 @@ def render_host(data: dict) -> list[RenderedFile]:
     # The TLS pair comes before the Caddyfile: validating the Caddyfile reads them.
     files.append(RenderedFile(cert, cert_pem))
     files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
+    files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))
     files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
     return files
 

@@ -273,7 +273,8 @@ class Defaults(Strict):
     caddy_upstream_repo_url: Url
     caddy_upstream_key_url: Url
     caddy_https_port: Port
-    caddy_admin_socket: AbsPath
+    caddy_admin_socket: Annotated[str, _matching(r"/run/[a-z0-9-]+/[a-z0-9.-]+",
+                                                 "/run/<dir>/<socket>")]
     caddy_dial_timeout: Duration
     caddy_response_header_timeout: Duration
     caddy_log_scrubbed_headers: list[HeaderName]

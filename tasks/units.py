@@ -6,6 +6,11 @@ from pyinfra import host
 from donorkit.operations import config_file, retired_unit, vllm_service
 from donorkit.render import UNIT_DIR, render_unit
 
+# {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).
+# Refused: a non-zero exit (fatal errors) or any line about the unit itself (ignored settings).
+VERIFY_UNIT = ("out=$(systemd-analyze verify --man=no {path} 2>&1); rc=$?; "
+               "printf '%s\\n' \"$out\" >&2; "
+               "[ $rc -eq 0 ] && ! printf '%s' \"$out\" | grep -qF {path}")
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
 shared_dependencies = [
@@ -17,8 +22,9 @@ shared_dependencies = [
 
 for model in host.data.models.values():
     unit_path = f"{UNIT_DIR}/{model['unit']}"
+    # A unit systemd would refuse (or warn about: a line it ignores) never replaces a working one.
     config_file(name=f"Install {model['unit']}", content=render_unit(host.data.dict(), model),
-                dest=unit_path)
+                dest=unit_path, validate=VERIFY_UNIT)
     vllm_service(
         name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
         unit=model["unit"],

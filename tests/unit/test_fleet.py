@@ -78,7 +78,7 @@ BAD_CASES = {
                        "malformed YAML (line"),
     "duplicate donor name": (GOOD.replace("box-b:", "box-a:"), "duplicate key 'box-a'"),
     "bad hostname": (GOOD.replace("qwen.ai.unturf.com:", "'qwen ai':"),
-                     "field 'routes': 'qwen ai' is not a DNS hostname"),
+                     "field 'routes.qwen ai': 'qwen ai' is not a DNS hostname"),
     "unknown override": (GOOD.replace("card: rtx3090", "card: rtx3090\n    overrides: {vram: 1}"),
                          "field 'overrides.vram': not a key of defaults.yml"),
 }
