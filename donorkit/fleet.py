@@ -71,6 +71,15 @@ _EXPECTED = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list
 _UNION_BRANCHES = {"PluginPath", "PluginGit", "str", "int", "float", "bool"}
 
 
+def label(name: Any) -> str:
+    """A key as it may appear in a one-line message: unusual ones (control characters, empty,
+    not a string) as Python writes them."""
+    text = str(name)
+    if isinstance(name, str) and text and text.isprintable() and "'" not in text:
+        return text
+    return repr(name)
+
+
 def _field(loc: tuple) -> str:
     """pydantic's location -> `models.qwen.port` (a union's branch names dropped)."""
     parts = []
@@ -79,7 +88,7 @@ def _field(loc: tuple) -> str:
             continue
         if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-")):
             continue
-        parts.append(str(item))
+        parts.append(label(item))
     return ".".join(parts)
 
 
@@ -127,7 +136,7 @@ def _merged(defaults: dict, override: Any, where: str, origin: str) -> dict:
                          f"got {type(override).__name__} {_short(override)}")
     for key in override:
         if key not in schema.Defaults.model_fields:
-            raise FleetError(f"{where}: field '{origin}.{key}': not a key of defaults.yml")
+            raise FleetError(f"{where}: field '{origin}.{label(key)}': not a key of defaults.yml")
     merged = schema.deep_merge(defaults, override)
     # defaults.yml was valid alone: whatever is wrong now came with this override.
     _validate(schema.Defaults, merged, where, f"{origin}.")
@@ -195,7 +204,7 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
     fleet: dict[str, dict] = {}
     seen_addresses: dict[tuple, str] = {}
     for name, entry in inventory.donors.items():
-        where = f"{donors_path}: donor '{name}'"
+        where = f"{donors_path}: donor '{label(name)}'"
         if not isinstance(entry, dict):
             raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
         donor = _validate(schema.Donor, entry, where, known=schema.Donor.model_fields)
