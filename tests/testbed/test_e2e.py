@@ -261,10 +261,10 @@ def junit_outcomes(path: Path) -> dict[str, str]:
 
 
 def through_caddy(host: Host, hostname: str, path: str, headers: str = "") -> tuple[int, str]:
+    url = shlex.quote(f"https://{hostname}{path}")
     out = ssh(host, f"curl -sS -o /tmp/body -w '%{{http_code}}' {headers} --cacert /tmp/ca.crt "
-                    f"--resolve {hostname}:443:127.0.0.1 {shlex.quote(f'https://{hostname}{path}')}; "
-                    "echo; "
-                    "cat /tmp/body", check=False).stdout
+                    f"--resolve {hostname}:443:127.0.0.1 {url}; echo; cat /tmp/body",
+              check=False).stdout
     code, _, body = out.partition("\n")
     return int(code or 0), body
 
