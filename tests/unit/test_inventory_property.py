@@ -11,6 +11,7 @@ they took are printed (pytest -s)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import tempfile
@@ -76,7 +77,7 @@ def mutated(draw: st.DrawFn) -> dict:
             where = draw(st.sampled_from([("overrides",),
                                           *[("donors", n, "overrides") for n in donors]]))
             path = draw(st.sampled_from(DEFAULT_PATHS))
-            original = get(DEFAULTS, path)
+            original = copy.deepcopy(get(DEFAULTS, path))  # DEFAULTS itself stays as read
             value = draw(st.one_of(VALUES, st.just(original), st.just([original]),
                                    st.just(str(original))))
             node = doc
@@ -110,6 +111,7 @@ def mutated(draw: st.DrawFn) -> dict:
 def render(doc: dict, work: Path) -> tuple[int, str]:
     """`make render` on this document: exit code and stderr."""
     path = work / "donors.yml"
+    doc = copy.deepcopy(doc)
     if isinstance(doc.get("overrides"), dict):
         doc["overrides"]["pki_dir"] = str(work / "pki")  # the CA stays in the test's directory
     path.write_text(yaml.safe_dump(doc, allow_unicode=True))
