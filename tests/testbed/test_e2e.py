@@ -230,14 +230,15 @@ def test_unit_quoting_round_trips_through_systemd(hosts: dict[str, Host]) -> Non
         subprocess.run([*bed.ssh_command(good), f"cat > {path}"], input=text, text=True,
                        check=True, timeout=30)
     try:
-        ssh(good, f"chmod 755 /usr/local/bin/argv-env && systemd-analyze verify {unit} && "
+        ssh(good, f"chmod 755 /usr/local/bin/argv-env && "
+                  f"systemd-analyze verify /etc/systemd/system/{unit} && "
                   f"systemctl daemon-reload && systemctl start {unit}")
         for _ in range(100):
             if "ActiveState=inactive" in ssh(good, f"systemctl show -p ActiveState {unit}").stdout:
                 break
             time.sleep(0.1)
         result = ssh(good, f"systemctl show -p Result --value {unit}; "
-                           f"journalctl -q -o cat -u {unit} | grep '^{{\"argv\"'").stdout
+                           f"journalctl -q -o cat -u {unit} | grep -F argv").stdout
         status, _, printed = result.partition("\n")
         assert status == "success", (seed, result)
         got = json.loads(printed.strip().splitlines()[-1])
