@@ -17,6 +17,11 @@ TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
 CADDYFILE = "/etc/caddy/Caddyfile"
 CADDY_DROP_IN = f"{UNIT_DIR}/caddy.service.d/uncloseai.conf"
+# {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).
+# Refused: a non-zero exit (fatal errors) or any line about the unit itself (ignored settings).
+VERIFY_UNIT = ("out=$(systemd-analyze verify --man=no {path} 2>&1); rc=$?; "
+               "printf '%s\\n' \"$out\" >&2; "
+               "[ $rc -eq 0 ] && ! printf '%s' \"$out\" | grep -qF {path}")
 
 
 @dataclass(frozen=True)

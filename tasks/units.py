@@ -4,13 +4,8 @@ changed (unit, venv distributions, plugin, exllamav3), including a restart a fai
 from pyinfra import host
 
 from donorkit.operations import config_file, retired_unit, vllm_service
-from donorkit.render import UNIT_DIR, render_unit
+from donorkit.render import UNIT_DIR, VERIFY_UNIT, render_unit
 
-# {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).
-# Refused: a non-zero exit (fatal errors) or any line about the unit itself (ignored settings).
-VERIFY_UNIT = ("out=$(systemd-analyze verify --man=no {path} 2>&1); rc=$?; "
-               "printf '%s\\n' \"$out\" >&2; "
-               "[ $rc -eq 0 ] && ! printf '%s' \"$out\" | grep -qF {path}")
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
 shared_dependencies = [

@@ -100,3 +100,41 @@ def test_the_sandbox_leaves_cuda_its_devices_and_jit(tmp_path: Path) -> None:
                  "ProtectHome=tmpfs", "BindPaths=/home/fox", "CapabilityBoundingSet=",
                  "SystemCallArchitectures=native", "UMask=0077", "PrivateTmp=yes"):
         assert line in text.splitlines(), line
+
+
+def run_config_file(dest: Path, content: str, validate: str) -> int:
+    """donorkit.operations.config_file's commands in a real shell (the upload done by hand)."""
+    from pyinfra.api import FileUploadCommand
+    from pyinfra.context import ctx_host
+
+    from donorkit import operations
+    from tests.unit.test_operations import FakeHost, as_text
+
+    fake = FakeHost({"PathStates": {"-": {}}})
+    fake.data = {"ssh_user": "root"}
+    with ctx_host.use(fake):
+        commands = list(operations.config_file._inner(content=content, dest=str(dest),
+                                                      validate=validate))
+    rc = 0
+    for command in commands:
+        if isinstance(command, FileUploadCommand):
+            Path(command.dest).write_bytes(command.src.getvalue())
+            continue
+        rc = subprocess.run(["sh", "-c", as_text(command)], capture_output=True).returncode
+        if rc:
+            break
+    return rc
+
+
+def test_a_unit_systemd_refuses_never_replaces_the_installed_one(tmp_path: Path) -> None:
+    from donorkit.render import VERIFY_UNIT
+
+    data = box(tmp_path)
+    good = render_unit(data, data["models"]["qwen"])
+    dest = tmp_path / "units" / "vllm-qwen.service"
+    assert run_config_file(dest, good, VERIFY_UNIT) == 0 and dest.read_text() == good
+    for bad in (good.replace("--port 18888", "--port it's"),        # fatal: unbalanced quoting
+                good.replace("UMask=0077", "UMsk=0077")):           # ignored line: refused too
+        assert run_config_file(dest, bad, VERIFY_UNIT) != 0
+        assert dest.read_text() == good
+        assert [p.name for p in dest.parent.iterdir()] == ["vllm-qwen.service"]  # no leftovers
