@@ -107,6 +107,9 @@ SshHost = Annotated[str, AfterValidator(_ssh_host)]
 
 Url = Annotated[str, _matching(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%+/-]*)?",
                                "an http(s) URL (host, optional port and path; no query)")]
+GitUrl = Annotated[str, _matching(
+    r"(https?|git|ssh)://[A-Za-z0-9.@:-]+(/[A-Za-z0-9._~%+/-]*)?|file:///[A-Za-z0-9._~%+/-]+",
+    "a git URL (http(s)://, git://, ssh:// or file:///; no query)")]
 UrlTemplate = Annotated[str, _matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{distro\})*)?",
     "an http(s) URL (may contain {distro})")]
@@ -234,7 +237,7 @@ class PluginPath(Strict):
 
 
 class PluginGit(Strict):
-    git_url: Url
+    git_url: GitUrl
     ref: GitRef
 
 
@@ -255,7 +258,7 @@ class Defaults(Strict):
     torch_version: Version
     venv_build_packages: list[PipRequirement]
     vllm_executable: ExecutableTemplate
-    exllamav3_git_url: Url
+    exllamav3_git_url: GitUrl
     exllamav3_ref: GitRef
     exllamav3_version: Version
     exllamav3_gib_per_job: Annotated[float, Field(gt=0, le=1024)]

@@ -51,6 +51,12 @@ def test_shipped_fleet_loads_with_the_seed_boxes() -> None:
         assert box["retired_units"] == ["vllm-hermes.service"]
 
 
+@pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
+                                    "gpu/donors.yml"])
+def test_every_shipped_donors_file_loads(donors: str) -> None:
+    assert load_fleet(REPO_ROOT / donors)
+
+
 def test_switching_a_box_to_hermes_is_one_line(tmp_path: Path) -> None:
     fleet = load_fleet(write(tmp_path, GOOD))
     assert list(fleet["box-b"]["models"]) == ["hermes"]
