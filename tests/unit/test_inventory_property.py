@@ -122,7 +122,7 @@ def render(doc: dict, work: Path) -> tuple[int, str]:
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
             try:
-                code = render_cli.main([str(names[0]), str(work / "out")])
+                code = render_cli.main(["--", str(names[0]), str(work / "out")])
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
