@@ -291,7 +291,7 @@ def unit_sandbox(host: Host, unit: str) -> list[str]:
                     pytrace=False)
     text = check(host, f"systemctl cat {shlex.quote(unit)}", f"systemctl cat {unit}").stdout
     settings, section = [], None
-    for line in text.splitlines():
+    for line in text.replace("\\\n", " ").splitlines():  # continuation lines joined
         line = line.strip()
         if line.startswith("[") and line.endswith("]"):
             section = line
@@ -307,8 +307,10 @@ def in_unit_sandbox(settings: list[str], env: dict[str, str], script: str) -> st
     User= and every sandbox setting, `systemd-run -p`), with exactly `env`."""
     props = " ".join(f"-p {shlex.quote(s)}" for s in settings)
     setenv = " ".join(f"--setenv={shlex.quote(f'{k}={v}')}" for k, v in env.items())
+    # The command becomes the service's ExecStart, where systemd expands $VAR and $$ in every
+    # word (systemd 252's systemd-run has no --expand-environment=no): `$$` is a literal `$`.
     return (f"systemd-run --wait --pipe --quiet --collect --service-type=exec {props} {setenv} "
-            f"/bin/sh -c {shlex.quote(script)}")
+            f"/bin/sh -c {shlex.quote(script.replace('$', '$$'))}")
 
 
 def with_env(env: dict[str, str], script: str) -> str:

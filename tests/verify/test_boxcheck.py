@@ -6,6 +6,7 @@ import pytest
 from boxcheck import (
     SERVICE_PROPERTIES,
     bus_path,
+    in_unit_sandbox,
     listeners,
     parse_bytes,
     parse_environment,
@@ -75,3 +76,10 @@ def test_unit_settings_compare_as_systemd_shows_them(setting: str, unit_value: s
 def test_a_missing_syscall_group_is_a_difference() -> None:
     _, normalise = SERVICE_PROPERTIES["SystemCallFilter"]
     assert normalise("~@mount @reboot") != normalise("~mount umount2")
+
+
+def test_sandboxed_script_keeps_its_dollars() -> None:
+    """systemd expands $VAR and $$ in a transient ExecStart: the script goes with `$` doubled."""
+    command = in_unit_sandbox(["User=fox"], {"A": "it's"}, 'echo "$HOME" $$x')
+    assert command.endswith("""/bin/sh -c 'echo "$$HOME" $$$$x'""")
+    assert "-p User=fox" in command and "--setenv='A=it'\"'\"'s'" in command
