@@ -33,4 +33,4 @@ verify: venv
 
 render: venv
 	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make render HOST=<donor> OUT=<dir>" >&2; exit 2; }
-	$(BIN)/python -m donorkit.render_cli $(HOST) $(OUT)
+	$(BIN)/python -m donorkit.render_cli -- "$(HOST)" "$(OUT)"

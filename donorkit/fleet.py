@@ -1,37 +1,23 @@
 """Load and validate the fleet (donors.yml + defaults.yml) into per-host pyinfra data.
 
-Every user mistake becomes one FleetError naming the file, the entry and the field, raised
-before any connection is made.
+What each key may hold is donorkit/schema.py. Every user mistake becomes one FleetError naming the
+file, the entry and the field, raised before any connection is made.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
+from donorkit import schema
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
-
-DONOR_FIELDS = {"ssh_host": str, "ssh_user": str, "card": str, "routes": dict}
-OPTIONAL_DONOR_FIELDS = {"ssh_port": int, "ssh_key": str, "ssh_known_hosts_file": str,
-                         "overrides": dict}
-CARD_FIELDS = {"gpu_name": str, "arch": str, "cuda": str, "pip_index_url": str,
-               "pip_extra_index_urls": list}
-OPTIONAL_CARD_FIELDS = {"vllm_variant": str}
-VARIANT_RE = re.compile(r"^cu\d{3}$")
-MODEL_FIELDS = {"checkpoint": str, "port": int, "max_model_len": int, "args": list,
-                "environment": dict}
-# Flags the template owns: vLLM must bind loopback only, and an alias hides the checkpoint.
-FORBIDDEN_MODEL_ARGS = ("--host", "--port", "--served-model-name")
-HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
-CUDA_RE = re.compile(r"^\d+\.\d+$")
-DRIVER_RE = re.compile(r"^\d+(\.\d+)*$")
 
 
 class FleetError(Exception):
@@ -72,105 +58,130 @@ def read_yaml(path: Path) -> Any:
         raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
 
 
-def _check_fields(where: str, entry: Any, required: dict, optional: dict | None = None) -> None:
-    if not isinstance(entry, dict):
-        raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
-    optional = optional or {}
-    for field, value in entry.items():
-        kind = required.get(field) or optional.get(field)
-        if kind is None:
-            known = ", ".join(sorted({**required, **optional}))
-            raise FleetError(f"{where}: field '{field}': unknown field (known: {known})")
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise FleetError(f"{where}: field '{field}': must be {kind.__name__}, "
-                             f"got {type(value).__name__} {value!r}")
-    for field in required:
-        if field not in entry:
-            raise FleetError(f"{where}: field '{field}': missing")
-
-
-def _check_profiles(path: Path, defaults: dict) -> None:
-    for name, card in (defaults.get("cards") or {}).items():
-        where = f"{path}: card '{name}'"
-        _check_fields(where, card, CARD_FIELDS, OPTIONAL_CARD_FIELDS)
-        if "vllm_variant" in card and not VARIANT_RE.match(card["vllm_variant"]):
-            raise FleetError(f"{where}: field 'vllm_variant': expected a CUDA variant like "
-                             f"cu128, got {card['vllm_variant']!r}")
-        if not CUDA_RE.match(card["cuda"]):
-            raise FleetError(f"{where}: field 'cuda': expected MAJOR.MINOR, got {card['cuda']!r}")
-        minimums = defaults.get("cuda_driver_minimums")
-        if not isinstance(minimums, dict) or not DRIVER_RE.match(str(minimums.get(card["cuda"]))):
-            raise FleetError(f"{where}: field 'cuda': CUDA {card['cuda']} has no driver minimum "
-                             "(a version like 580.65.06) under cuda_driver_minimums")
-    for name, model in (defaults.get("models") or {}).items():
-        where = f"{path}: model '{name}'"
-        _check_fields(where, model, MODEL_FIELDS)
-        for arg in model["args"]:
-            if str(arg).split("=")[0] in FORBIDDEN_MODEL_ARGS:
-                raise FleetError(f"{where}: field 'args': {arg} is set by the deploy "
-                                 "(--host 127.0.0.1 and the model's port; no alias)")
-
-
-def _check_plugin_source(where: str, source: Any, require_local: bool) -> None:
-    if not isinstance(source, dict) or not (
-            set(source) == {"path"} or set(source) == {"git_url", "ref"}):
-        raise FleetError(f"{where}: field 'vllm_exl3_plugin': must be {{path: DIR}} "
-                         f"or {{git_url: URL, ref: REF}}, got {source!r}")
-    if require_local and "path" in source:
-        local = plugin_local_path(source)
-        if not local.is_dir():
-            raise FleetError(f"{where}: field 'vllm_exl3_plugin': local path {local} "
-                             "does not exist on this machine")
-
-
 def plugin_local_path(source: dict) -> Path:
     """The plugin's directory on the operator's machine (relative paths: from the repo root)."""
     return (REPO_ROOT / Path(source["path"]).expanduser()).resolve()
 
 
-def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
+_EXPECTED = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list_type": "list",
+             "dict_type": "mapping", "float_type": "number", "model_type": "mapping",
+             "model_attributes_type": "mapping", "literal_error": None}
+
+
+_UNION_BRANCHES = {"PluginPath", "PluginGit", "str", "int", "float", "bool"}
+
+
+def label(name: Any) -> str:
+    """A key as it may appear in a one-line message: unusual ones (control characters, empty,
+    not a string) as Python writes them."""
+    text = str(name)
+    if isinstance(name, str) and text and text.isprintable() and "'" not in text:
+        return text
+    return repr(name)
+
+
+def _field(loc: tuple) -> str:
+    """pydantic's location -> `models.qwen.port` (a union's branch names dropped)."""
+    parts = []
+    for item in loc:
+        if item == "[key]":
+            continue
+        if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-")):
+            continue
+        parts.append(label(item))
+    return ".".join(parts)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _problem(error: dict, model: type[BaseModel]) -> str:
+    kind, value = error["type"], error.get("input")
+    if kind == "missing":
+        return "missing"
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "value_error":
+        return error["msg"].removeprefix("Value error, ")
+    if kind in _EXPECTED and _EXPECTED[kind]:
+        if "[key]" in error["loc"]:
+            return f"key {_short(value)}: must be {_EXPECTED[kind]}"
+        return f"must be {_EXPECTED[kind]}, got {type(value).__name__} {_short(value)}"
+    message = error["msg"]
+    return f"{message[:1].lower()}{message[1:]}, got {_short(value)}"
+
+
+def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
+              known: dict | None = None) -> Any:
+    """model.model_validate(data), or a FleetError for the first problem, in one line."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # A misspelt key shows as "unknown" and its right spelling as "missing": name the first.
+        errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        error = errors[0]
+        field = _field(error["loc"])
+        problem = _problem(error, model)
+        if error["type"] == "extra_forbidden" and known is not None:
+            problem += f" (known: {', '.join(sorted(known))})"
+        raise FleetError(f"{where}: field '{prefix}{field}': {problem}") from None
+
+
+def _merged(defaults: dict, override: Any, where: str, origin: str) -> dict:
+    """defaults deep-merged with one `overrides:` mapping, validated as defaults.yml."""
+    if not isinstance(override, dict):
+        raise FleetError(f"{where}: field '{origin}': must be a mapping, "
+                         f"got {type(override).__name__} {_short(override)}")
+    for key in override:
+        if key not in schema.Defaults.model_fields:
+            raise FleetError(f"{where}: field '{origin}.{label(key)}': not a key of defaults.yml")
+    merged = schema.deep_merge(defaults, override)
+    # defaults.yml was valid alone: whatever is wrong now came with this override.
+    _validate(schema.Defaults, merged, where, f"{origin}.")
+    return merged
+
+
+def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.Defaults,
+               where: str) -> dict:
     """Everything the tasks and templates need for one host, derived once, here."""
-    data = copy.deepcopy(defaults)
-    for key, value in donor.get("overrides", {}).items():
-        if key not in defaults:
-            raise FleetError(f"{where}: field 'overrides.{key}': not a key of defaults.yml")
-        data[key] = value
-    cards, models = data.pop("cards"), data.pop("models")
-    if donor["card"] not in cards:
-        raise FleetError(f"{where}: field 'card': unknown card '{donor['card']}' "
-                         f"(known: {', '.join(sorted(cards))})")
-    if not donor["routes"]:
-        raise FleetError(f"{where}: field 'routes': at least one hostname -> model is needed")
-    for hostname, model in donor["routes"].items():
-        if not isinstance(hostname, str) or not HOSTNAME_RE.match(hostname):
-            raise FleetError(f"{where}: field 'routes': {hostname!r} is not a DNS hostname")
-        if model not in models:
-            raise FleetError(f"{where}: field 'routes.{hostname}': unknown model identity "
-                             f"'{model}' (known: {', '.join(sorted(models))})")
-    card = dict(cards[donor["card"]], name=donor["card"])
-    served = sorted(set(donor["routes"].values()))
+    problem = schema.check_box(settings, donor)
+    if problem:
+        raise FleetError(f"{where}: field '{problem[0]}': {problem[1]}")
+    data = {k: v for k, v in merged.items() if k not in ("cards", "models")}
+    cards, models = merged["cards"], merged["models"]
+    card = dict(cards[donor.card], name=donor.card)
+    served = sorted(set(donor.routes.values()))
     cuda = card["cuda"]
     data.update(
         donor_name=name,
-        ssh_hostname=donor["ssh_host"],
-        ssh_user=donor["ssh_user"],
-        ssh_port=donor.get("ssh_port", 22),
+        ssh_hostname=donor.ssh_host,
+        ssh_user=donor.ssh_user,
+        ssh_port=donor.ssh_port,
         card=card,
         cuda_version=cuda,
-        driver_minimum=str(data["cuda_driver_minimums"][cuda]),
+        driver_minimum=merged["cuda_driver_minimums"][cuda],
         cuda_home=f"/usr/local/cuda-{cuda}",
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}",
-        routes=[{"hostname": h, "model": m} for h, m in sorted(donor["routes"].items())],
-        models={m: dict(models[m], name=m, unit=f"vllm-{m}.service") for m in served},
+        service_home=f"/home/{settings.service_user}",
+        routes=[{"hostname": h, "model": m} for h, m in sorted(donor.routes.items())],
+        models={m: dict(models[m], args=[str(a) for a in models[m]["args"]], name=m,
+                        unit=f"vllm-{m}.service") for m in served},
         # Units of the identities this box does not serve: removed, so a switch frees the GPU.
         retired_units=[f"vllm-{m}.service" for m in sorted(models) if m not in served],
     )
-    data["vllm_executable"] = data["vllm_executable"].format(venv_dir=data["venv_dir"])
+    data["vllm_executable"] = data["vllm_executable"].replace("{venv_dir}", data["venv_dir"])
     data.update(venv_install(data))
+    # [Service] values may name the service user's home (ReadWritePaths=, BindPaths=).
+    data["unit_service"] = {
+        k: v.replace("{service_home}", data["service_home"]) if isinstance(v, str) else v
+        for k, v in data["unit_service"].items()}
     for field in ("ssh_key", "ssh_known_hosts_file"):
-        if field in donor:  # relative paths are relative to the repo root, like everything else
-            data[field] = str((REPO_ROOT / Path(donor[field]).expanduser()).resolve())
-    if donor["ssh_user"] != "root":
+        value = getattr(donor, field)
+        if value is not None:  # relative paths are relative to the repo root, like everything else
+            data[field] = str((REPO_ROOT / Path(value).expanduser()).resolve())
+    if donor.ssh_user != "root":
         data["_sudo"] = True
     return data
 
@@ -181,29 +192,40 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
     donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
     defaults_path = Path(defaults_path or DEFAULTS_FILE)
     defaults = read_yaml(defaults_path)
-    if not isinstance(defaults, dict) or "cards" not in defaults or "models" not in defaults:
-        raise FleetError(f"{defaults_path}: must be a mapping with 'cards' and 'models'")
-    _check_profiles(defaults_path, defaults)
+    if not isinstance(defaults, dict):
+        raise FleetError(f"{defaults_path}: must be a mapping of settings, "
+                         f"got {type(defaults).__name__}")
+    _validate(schema.Defaults, defaults, str(defaults_path),
+              known=schema.Defaults.model_fields)
     doc = read_yaml(donors_path)
     if not isinstance(doc, dict) or not isinstance(doc.get("donors"), dict) or not doc["donors"]:
         raise FleetError(f"{donors_path}: must be a mapping with a non-empty 'donors' mapping")
-    _check_fields(str(donors_path), doc, {"donors": dict}, {"overrides": dict})
+    inventory = _validate(schema.Inventory, doc, str(donors_path),
+                          known=schema.Inventory.model_fields)
+    file_wide = _merged(defaults, inventory.overrides, str(donors_path), "overrides")
     fleet: dict[str, dict] = {}
     seen_addresses: dict[tuple, str] = {}
-    for name, donor in doc["donors"].items():
-        where = f"{donors_path}: donor '{name}'"
-        _check_fields(where, donor, DONOR_FIELDS, OPTIONAL_DONOR_FIELDS)
-        merged = {"overrides": {**doc.get("overrides", {}), **donor.get("overrides", {})}}
-        data = _host_data(name, {**donor, **merged}, defaults, where)
+    for name, entry in inventory.donors.items():
+        where = f"{donors_path}: donor '{label(name)}'"
+        if not isinstance(entry, dict):
+            raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
+        donor = _validate(schema.Donor, entry, where, known=schema.Donor.model_fields)
+        merged = _merged(file_wide, donor.overrides, where, "overrides")
+        settings = schema.Defaults.model_validate(merged)
+        data = _host_data(name, donor, merged, settings, where)
         address = (data["ssh_hostname"], data["ssh_port"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {address[0]}:{address[1]} is already "
                              f"used by donor '{seen_addresses[address]}'")
         seen_addresses[address] = name
         fleet[name] = data
-    for name, data in fleet.items():
-        _check_plugin_source(f"{donors_path}: donor '{name}'", data["vllm_exl3_plugin"],
-                             require_local_sources)
+    if require_local_sources:
+        for name, data in fleet.items():
+            source = data["vllm_exl3_plugin"]
+            if "path" in source and not plugin_local_path(source).is_dir():
+                raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
+                                 f"local path {plugin_local_path(source)} does not exist on "
+                                 "this machine")
     return fleet
 
 

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from donorkit import op_overhead, prefetch, ssh_socket
-from donorkit.fleet import FleetError, load_fleet
+from donorkit.fleet import REPO_ROOT, FleetError, load_fleet
+from donorkit.pki import Pki, PkiError
 
 SPEEDUPS = {"ssh": ssh_socket, "op_overhead": op_overhead, "snapshot": prefetch}
 
@@ -37,10 +38,17 @@ def fleet_or_exit(donors_path: Path | str | None = None,
                   require_local_sources: bool = True) -> dict[str, dict]:
     """load_fleet, but a user mistake ends the process with its message and no traceback."""
     try:
-        return load_fleet(donors_path, require_local_sources=require_local_sources)
+        fleet = load_fleet(donors_path, require_local_sources=require_local_sources)
     except FleetError as exc:
         print(f"inventory error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    for pki_dir in sorted({data["pki_dir"] for data in fleet.values()}):
+        try:
+            Pki(REPO_ROOT / pki_dir).check()
+        except PkiError as exc:
+            print(f"pki error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return fleet
 
 
 def pyinfra_groups(fleet: dict[str, dict]) -> dict[str, list[tuple[str, dict]]]:

@@ -104,16 +104,32 @@ def config_file(content: str, dest: str, mode: str = "644", user: str = "root",
             and (current["user"], current["group"]) == (user, group)):
         host.noop(f"{dest} is current")
         return
-    staged = f"{dest}.uncloseai-new"
-    yield StringCommand("mkdir", "-p", str(Path(dest).parent))
-    yield FileUploadCommand(io.BytesIO(content.encode()), staged)
-    steps = [f"chown {user}:{group} {staged}", f"chmod {mode} {staged}"]
+    # Staged in a fresh private directory beside `dest` (0700, the login user's, never a
+    # world-readable temporary file: pyinfra's upload for a sudo login goes through
+    # remote_temp_filename, placed in it too). The staged file keeps dest's name, so a validator
+    # that reads the suffix (systemd-analyze verify: .service) sees it; the final mv is a rename
+    # within one file system. Leftovers of an interrupted run are removed first.
+    parent, name = str(Path(dest).parent), Path(dest).name
+    stage_dir = f"{parent}/.uncloseai-stage-{want[:12]}"
+    staged = f"{stage_dir}/{name}"
+    q_dir, q_staged, q_dest = shlex.quote(stage_dir), shlex.quote(staged), shlex.quote(dest)
+    login = shlex.quote(host.data.get("ssh_user") or "root")
+    yield (f"mkdir -p {shlex.quote(parent)} && rm -rf {shlex.quote(parent)}/.uncloseai-stage-* "
+           f"&& mkdir -m 700 {q_dir} && chown {login} {q_dir}")
+    yield FileUploadCommand(io.BytesIO(content.encode()), staged,
+                            remote_temp_filename=f"{stage_dir}/.upload")
+    # Once the file has its owner and mode, the directory opens to traversal (0711): a validator
+    # running as another user (caddy) can read the file if the file's own mode lets it.
+    steps = [f"chown {shlex.quote(f'{user}:{group}')} {q_staged}",
+             f"chmod {shlex.quote(mode)} {q_staged}", f"chmod 711 {q_dir}"]
     if validate:
-        steps.append(validate.format(path=staged))
+        steps.append(f"{{ {validate.format(path=q_staged)}; }}")
     if pending_marker:
-        steps.append(f"mkdir -p {Path(pending_marker).parent} && touch {pending_marker}")
-    steps.append(f"mv -f {staged} {dest}")
-    yield " && ".join(steps) + f" || {{ rc=$?; rm -f {staged}; exit $rc; }}"
+        marker = shlex.quote(pending_marker)
+        steps.append(f"mkdir -p {shlex.quote(str(Path(pending_marker).parent))} && "
+                     f"touch {marker}")
+    steps.append(f"mv -f {q_staged} {q_dest} && rmdir {q_dir}")
+    yield " && ".join(steps) + f" || {{ rc=$?; rm -rf {q_dir}; exit $rc; }}"
 
 
 @reads(lambda paths, **_: [(PathStates, {"paths": paths})])
@@ -439,16 +455,20 @@ def _unit_and_file(unit: str, path: str) -> Request:
 
 @reads(lambda unit, pending_marker, **_: [_unit_and_file(unit, pending_marker)])
 @operation()
-def reloaded_service(unit: str, pending_marker: str):
-    """Enabled and running; reloaded when a config swap left the marker behind."""
+def reloaded_service(unit: str, pending_marker: str, restart: bool = False):
+    """Enabled and running; reloaded when a config swap left the marker behind (`restart`:
+    restarted instead, after a daemon-reload: for a change to the unit itself)."""
     state = read_request(_unit_and_file(unit, pending_marker))
     pending = state.get("Present") == "yes"
+    q_unit, q_marker = shlex.quote(unit), shlex.quote(pending_marker)
     if state.get("UnitFileState") != "enabled":
-        yield f"systemctl enable {unit}"
+        yield f"systemctl enable {q_unit}"
     if state.get("ActiveState") != "active":
-        yield f"systemctl restart {unit} && rm -f {pending_marker}"
+        yield f"systemctl restart {q_unit} && rm -f {q_marker}"
+    elif pending and restart:
+        yield f"systemctl daemon-reload && systemctl restart {q_unit} && rm -f {q_marker}"
     elif pending:
-        yield f"systemctl reload-or-restart {unit} && rm -f {pending_marker}"
+        yield f"systemctl reload-or-restart {q_unit} && rm -f {q_marker}"
     else:
         host.noop(f"{unit} is running its current config")
 

@@ -39,6 +39,17 @@ def _write_public(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _create_exclusive(path: Path, data: bytes, mode: int) -> None:
+    """Create a CA file that must not exist yet (O_EXCL): a CA file is never overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+class PkiError(Exception):
+    """The CA on this machine is not usable as it is; the message says what to do."""
+
+
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -53,8 +64,18 @@ class Pki:
         self.ca_cert_path = self.directory / "ca.crt"
         self.ca_key_path = self.directory / "ca.key"
 
+    def check(self) -> None:
+        """Raise PkiError when the CA pair is half there (run before any connection)."""
+        have_cert, have_key = self.ca_cert_path.exists(), self.ca_key_path.exists()
+        if have_cert != have_key:
+            present, absent = ((self.ca_cert_path, self.ca_key_path) if have_cert
+                               else (self.ca_key_path, self.ca_cert_path))
+            raise PkiError(f"{present} exists but {absent} does not: restore it (a new CA "
+                           "would break the edge's trust in every donor); nothing was written")
+
     def _ensure_ca(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-        if self.ca_cert_path.exists() and self.ca_key_path.exists():
+        self.check()
+        if self.ca_cert_path.exists():
             cert = x509.load_pem_x509_certificate(self.ca_cert_path.read_bytes())
             key = serialization.load_pem_private_key(self.ca_key_path.read_bytes(), None)
             return cert, key
@@ -70,8 +91,10 @@ class Pki:
                 .add_extension(x509.KeyUsage(False, False, False, False, False, True, True,
                                              False, False), critical=True)
                 .sign(key, hashes.SHA256()))
-        _write_private(self.ca_key_path, _key_pem(key))
-        _write_public(self.ca_cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        # Key first: a run that dies between the two leaves a key and no cert, which stops the
+        # next run with the message above instead of minting a second CA.
+        _create_exclusive(self.ca_key_path, _key_pem(key), 0o600)
+        _create_exclusive(self.ca_cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
         return cert, key
 
     def _is_current(self, cert: x509.Certificate, ca: x509.Certificate,
@@ -96,8 +119,11 @@ class Pki:
             if self._is_current(cert, ca, hostnames):
                 return cert_path.read_text(), key_path.read_text()
         key = ec.generate_private_key(ec.SECP256R1())
+        # The names are in the SAN (what clients check); a CN holds at most 64 characters, so a
+        # longer (valid, up to 253) hostname is not put there: the donor's name is.
+        common_name = next((h for h in hostnames if len(h) <= 64), donor[:64])
         cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
                 .issuer_name(ca.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(_now() - dt.timedelta(minutes=5))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,12 @@ from donorkit.pki import Pki
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
 CADDYFILE = "/etc/caddy/Caddyfile"
+CADDY_DROP_IN = f"{UNIT_DIR}/caddy.service.d/uncloseai.conf"
+# {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).
+# Refused: a non-zero exit (fatal errors) or any line about the unit itself (ignored settings).
+VERIFY_UNIT = ("out=$(systemd-analyze verify --man=no {path} 2>&1); rc=$?; "
+               "printf '%s\\n' \"$out\" >&2; "
+               "[ $rc -eq 0 ] && ! printf '%s' \"$out\" | grep -qF {path}")
 
 
 @dataclass(frozen=True)
@@ -25,12 +33,33 @@ class RenderedFile:
     group: str = "root"
 
 
+# Words systemd reads as they are: anything else is quoted (systemd_quote).
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:,+@=-]+")
+
+
+def systemd_specifiers(text: str) -> str:
+    """`%` starts a specifier (%h, %n, ...) in every unit setting: `%%` is a literal `%`."""
+    return text.replace("%", "%%")
+
+
+def systemd_quote(text: str) -> str:
+    """One word of a unit setting, exactly as given: inside double quotes systemd undoes C
+    escapes, so `\\` and `"` are escaped; `%` is doubled (specifiers, expanded on the whole line
+    before any quoting is read). Newlines and other control characters are refused by the schema
+    (donorkit/schema.py) and here."""
+    if any(unicodedata.category(c) == "Cc" for c in text):
+        raise ValueError(f"control character in {text!r}: a unit word cannot carry it")
+    if _PLAIN_WORD.fullmatch(text):
+        return text
+    return '"' + systemd_specifiers(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+
+
 def systemd_arg(value: object) -> str:
-    """Quote one ExecStart word: JSON goes in single quotes (systemd strips bare double quotes)."""
+    """One ExecStart word: quoted as systemd_quote, and `$` doubled (ExecStart expands $VAR and
+    ${VAR} in every word, quoted or not; `$$` is a literal `$`)."""
     text = str(value)
-    if text[:1] in "{[" or any(c in text for c in " \t\"\\"):
-        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return text
+    quoted = systemd_quote(text)
+    return quoted.replace("$", "$$")
 
 
 def systemd_command(words: list[str]) -> str:
@@ -40,13 +69,19 @@ def systemd_command(words: list[str]) -> str:
         if word.startswith("--"):
             lines.append([])
         lines[-1].append(systemd_arg(word))
-    return " \\\n    ".join(" ".join(line) for line in lines)
+    return " \\\n    ".join(" ".join(line) for line in lines if line)
 
 
 def systemd_env(key: str, value: object) -> str:
-    """One Environment= assignment, quoted when the value needs it."""
-    text = f"{key}={value}"
-    return f'"{text}"' if any(c in text for c in " \t\"\\") else text
+    """One Environment= assignment: the whole `KEY=value` is one word (no `$` expansion here)."""
+    return systemd_quote(f"{key}={value}")
+
+
+def systemd_value(value: object) -> str:
+    """A [Service] value from unit_service: systemd syntax as written (booleans as yes/no)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
 
 
 @functools.cache
@@ -56,6 +91,8 @@ def _environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["systemd_command"] = systemd_command
+    env.filters["systemd_value"] = systemd_value
+    env.filters["systemd_specifiers"] = systemd_specifiers
     env.globals["systemd_env"] = systemd_env
     return env
 
@@ -99,6 +136,17 @@ def render_caddyfile(data: dict) -> str:
     return _environment().get_template("Caddyfile.j2").render(data, tls_cert=cert, tls_key=key)
 
 
+def render_caddy_drop_in(data: dict) -> str:
+    """caddy.service's drop-in: the directory of the admin socket, entered by root and caddy only
+    (the distro's unit has none; Caddy does not create it)."""
+    socket_dir = str(Path(data["caddy_admin_socket"]).parent)  # /run/<dir>: the schema's shape
+    return ("# Managed by the uncloseai donor deploy. The admin API's socket lives here:\n"
+            "# only root and caddy may enter (mode 0750, caddy:caddy from User=/Group=).\n"
+            "[Service]\n"
+            f"RuntimeDirectory={socket_dir.removeprefix('/run/')}\n"
+            "RuntimeDirectoryMode=0750\n")
+
+
 def pki_for(data: dict) -> Pki:
     return Pki(REPO_ROOT / data["pki_dir"], data["pki_renew_days"])
 
@@ -113,6 +161,7 @@ def render_host(data: dict) -> list[RenderedFile]:
     # The TLS pair comes before the Caddyfile: validating the Caddyfile reads them.
     files.append(RenderedFile(cert, cert_pem))
     files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
+    files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))
     files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
     return files
 

@@ -11,9 +11,11 @@ from donorkit.operations import (
     owned_file,
     reloaded_service,
 )
-from donorkit.render import CADDYFILE, render_host
+from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_host
 
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
+# A changed unit drop-in (the admin socket's directory) needs a restart, not a reload.
+restart_marker = f"{host.data.install_root}/state/caddy.restart-pending"
 
 if host.data.caddy_source == "upstream":
     apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"],
@@ -36,7 +38,7 @@ owned_file(name="Create the access log", path=host.data.caddy_access_log, user="
            group="caddy", mode="640")
 
 for rendered in render_host(host.data.dict()):
-    if not rendered.path.startswith(("/etc/caddy/",)):
+    if not rendered.path.startswith(("/etc/caddy/", CADDY_DROP_IN)):
         continue
     is_caddyfile = rendered.path == CADDYFILE
     config_file(
@@ -48,7 +50,11 @@ for rendered in render_host(host.data.dict()):
         group=rendered.group,
         validate=("runuser -u caddy -- caddy validate --adapter caddyfile --config {path} "
                   ">/dev/null" if is_caddyfile else None),
-        pending_marker=reload_marker,
+        pending_marker=restart_marker if rendered.path == CADDY_DROP_IN else reload_marker,
     )
+# After the Caddyfile: a Caddy restarted on the old config would still serve its admin API on
+# TCP, where `caddy reload` (which reads the new config's admin address) cannot reach it.
+reloaded_service(name="Restart Caddy on its new unit settings", unit="caddy",
+                 pending_marker=restart_marker, restart=True)
 reloaded_service(name="Run Caddy with the current config", unit="caddy",
                  pending_marker=reload_marker)

@@ -4,7 +4,7 @@ changed (unit, venv distributions, plugin, exllamav3), including a restart a fai
 from pyinfra import host
 
 from donorkit.operations import config_file, retired_unit, vllm_service
-from donorkit.render import UNIT_DIR, render_unit
+from donorkit.render import UNIT_DIR, VERIFY_UNIT, render_unit
 
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
@@ -17,8 +17,9 @@ shared_dependencies = [
 
 for model in host.data.models.values():
     unit_path = f"{UNIT_DIR}/{model['unit']}"
+    # A unit systemd would refuse (or warn about: a line it ignores) never replaces a working one.
     config_file(name=f"Install {model['unit']}", content=render_unit(host.data.dict(), model),
-                dest=unit_path)
+                dest=unit_path, validate=VERIFY_UNIT)
     vllm_service(
         name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
         unit=model["unit"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -28,7 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from donorkit import render
 from donorkit.facts import PathStates, UnitState
+from donorkit.fleet import load_fleet
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
@@ -267,6 +270,49 @@ def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     assert outcomes[f"test_driver_is_new_enough_for_the_card_cuda[{OLD}]"] == "failed"
 
 
+def test_unit_quoting_round_trips_through_systemd(hosts: dict[str, Host]) -> None:
+    """A unit rendered like the model units (same template, same sandbox) from random args and
+    environment values, whose command prints its argv and environment, started once by systemd:
+    it must print exactly what the data said."""
+    good = hosts[GOOD]
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    alphabet = "aZ09 '\"$%\\{}[]:;,=-_./@#!?*&|<>~`é✓€"
+    words = ["it's", "$HOME", "${HOME}", "$$", "50%", "%h", "%%", "a\\b", "\\", '"', ";",
+             "", "  lead", '{"temperature": 0.7, "stop": ["x y"]}', "é ü ✓"]
+    words += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 16)))
+              for _ in range(20)]
+    values = {f"RT_{i}": w for i, w in enumerate(words)}
+    data = load_fleet(DONORS)[GOOD]
+    data = dict(data, vllm_executable="/usr/local/bin/argv-env",
+                unit_service=dict(data["unit_service"], Restart="no"))
+    model = dict(data["models"]["qwen"], args=["--x", *words], environment=values)
+    unit = "uncloseai-roundtrip.service"
+    printer = (REPO_ROOT / "tests/testbed/standins/argv-env").read_text()
+    for path, text in (("/usr/local/bin/argv-env", printer),
+                       (f"/etc/systemd/system/{unit}", render.render_unit(data, model))):
+        subprocess.run([*bed.ssh_command(good), f"cat > {path}"], input=text, text=True,
+                       check=True, timeout=30)
+    try:
+        ssh(good, f"chmod 755 /usr/local/bin/argv-env && "
+                  f"systemd-analyze verify /etc/systemd/system/{unit} && "
+                  f"systemctl daemon-reload && systemctl start {unit}")
+        for _ in range(100):
+            if "ActiveState=inactive" in ssh(good, f"systemctl show -p ActiveState {unit}").stdout:
+                break
+            time.sleep(0.1)
+        result = ssh(good, f"systemctl show -p Result --value {unit}; "
+                           f"journalctl -q -o cat -u {unit} | grep -F argv").stdout
+        status, _, printed = result.partition("\n")
+        assert status == "success", (seed, result)
+        got = json.loads(printed.strip().splitlines()[-1])
+        assert got["argv"] == render.exec_start(data, model)[1:], seed
+        assert {k: got["env"].get(k) for k in values} == values, seed
+    finally:
+        ssh(good, f"rm -f /etc/systemd/system/{unit} /usr/local/bin/argv-env; "
+                  "systemctl daemon-reload", check=False)
+
+
 def junit_outcomes(path: Path) -> dict[str, str]:
     import xml.etree.ElementTree as ET
 
@@ -280,9 +326,10 @@ def junit_outcomes(path: Path) -> dict[str, str]:
 
 
 def through_caddy(host: Host, hostname: str, path: str, headers: str = "") -> tuple[int, str]:
+    url = shlex.quote(f"https://{hostname}{path}")
     out = ssh(host, f"curl -sS -o /tmp/body -w '%{{http_code}}' {headers} --cacert /tmp/ca.crt "
-                    f"--resolve {hostname}:443:127.0.0.1 https://{hostname}{path}; echo; "
-                    "cat /tmp/body", check=False).stdout
+                    f"--resolve {hostname}:443:127.0.0.1 {url}; echo; cat /tmp/body",
+              check=False).stdout
     code, _, body = out.partition("\n")
     return int(code or 0), body
 
@@ -296,12 +343,13 @@ def test_serving_through_caddy_502_when_down_and_scrubbed_log(hosts: dict[str, H
     assert [m["id"] for m in json.loads(body)["data"]] == ["turboderp/Qwen3.8-27B-exl3"]
 
     secret = "s3cr3t-value-7f1e"
-    code, _ = through_caddy(good, "hermes.ai.unturf.com", "/version",
+    code, _ = through_caddy(good, "hermes.ai.unturf.com", f"/version?key={secret}&x=1",
                             f"-H 'Authorization: Bearer {secret}' -H 'Cookie: c={secret}' "
-                            f"-H 'Api-Key: {secret}'")
+                            f"-H 'Api-Key: {secret}' -H 'X-Api-Key: {secret}'")
     assert code == 200
     log = ssh(good, "sleep 0.5; tail -n 5 /var/log/caddy/access.log").stdout
     assert "/version" in log and secret not in log
+    assert "key=REDACTED&x=REDACTED" in log, log
 
     ssh(good, "systemctl stop vllm-qwen.service")
     try:

@@ -51,6 +51,12 @@ def test_shipped_fleet_loads_with_the_seed_boxes() -> None:
         assert box["retired_units"] == ["vllm-hermes.service"]
 
 
+@pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
+                                    "gpu/donors.yml"])
+def test_every_shipped_donors_file_loads(donors: str) -> None:
+    assert load_fleet(REPO_ROOT / donors)
+
+
 def test_switching_a_box_to_hermes_is_one_line(tmp_path: Path) -> None:
     fleet = load_fleet(write(tmp_path, GOOD))
     assert list(fleet["box-b"]["models"]) == ["hermes"]
@@ -78,7 +84,7 @@ BAD_CASES = {
                        "malformed YAML (line"),
     "duplicate donor name": (GOOD.replace("box-b:", "box-a:"), "duplicate key 'box-a'"),
     "bad hostname": (GOOD.replace("qwen.ai.unturf.com:", "'qwen ai':"),
-                     "field 'routes': 'qwen ai' is not a DNS hostname"),
+                     "field 'routes.qwen ai': 'qwen ai' is not a DNS hostname"),
     "unknown override": (GOOD.replace("card: rtx3090", "card: rtx3090\n    overrides: {vram: 1}"),
                          "field 'overrides.vram': not a key of defaults.yml"),
 }

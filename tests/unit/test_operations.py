@@ -5,7 +5,7 @@ converged host yields no command at all (that is what makes a re-run report zero
 Cases live in tests/unit/operations/<operation>/<case>.json:
   {"args": {...}, "facts": {"FactName": {"k=v,k2=v2": value}}, "commands": [...],
    "noop": bool, "error": "substring"?, "changed_dependencies": bool?}
-Uploads show as "upload <dest>"."""
+Uploads show as "upload <dest>" (" via <remote_temp_filename>" when one is given)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class FakeHost:
     """A host whose facts are the case's; records noop messages."""
 
     name = "box-a"
+    data = {"ssh_user": "ubuntu"}  # a sudo login: uploads go through remote_temp_filename
 
     def __init__(self, facts: dict) -> None:
         self.facts = facts
@@ -56,7 +57,8 @@ class FakeHost:
 
 def as_text(command: object) -> str:
     if isinstance(command, FileUploadCommand):
-        return f"upload {command.dest}"
+        via = f" via {command.remote_temp_filename}" if command.remote_temp_filename else ""
+        return f"upload {command.dest}{via}"
     if isinstance(command, StringCommand):
         text = command.get_raw_value()
     else:

@@ -5,6 +5,7 @@ back from the kernel."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import socket
 import threading
 from collections.abc import Iterator
@@ -141,3 +142,23 @@ def test_stock_switch_leaves_pyinfra_alone(ssh_server: int, tmp_path: Path,
         assert nodelay_at_handshake == [0] and option(transport.sock, socket.TCP_NODELAY) == 0
     finally:
         ssh_socket.enable()
+
+
+def test_verify_suite_refuses_an_unknown_host_key(ssh_server: int, tmp_path: Path) -> None:
+    """tests/verify connects only to hosts whose key is known, unless told otherwise."""
+    spec_ = importlib.util.spec_from_file_location(
+        "verify_conftest", Path(__file__).resolve().parents[1] / "verify/conftest.py")
+    verify_conftest = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(verify_conftest)
+    KnownHostsParamikoBackend = verify_conftest.KnownHostsParamikoBackend  # noqa: N806
+
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    key = str(_key_file(tmp_path, "client"))
+    spec = f"root@127.0.0.1:{ssh_server}"
+    refusing = KnownHostsParamikoBackend(spec, known_hosts=str(known), ssh_identity_file=key)
+    with pytest.raises(paramiko.SSHException, match="not found in known_hosts"):
+        refusing.client  # noqa: B018 - connecting is the point
+    accepting = KnownHostsParamikoBackend(spec, known_hosts=str(known), accept_unknown=True,
+                                          ssh_identity_file=key)
+    assert accepting.client.get_transport().is_authenticated()

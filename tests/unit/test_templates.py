@@ -119,12 +119,12 @@ def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None
     assert "/usr/local/cuda/" not in text and "/usr/local/cuda:" not in text
 
 
-def test_json_arguments_are_single_quoted(tmp_path: Path, box: dict) -> None:
+def test_json_arguments_are_one_quoted_word(tmp_path: Path, box: dict) -> None:
     model = dict(box["models"]["qwen"],
                  args=["--override-generation-config", '{"temperature": 0.7}'])
     box["vllm_executable"] = fake_vllm(tmp_path)
     text = render_unit(box, model)
-    assert """--override-generation-config '{"temperature": 0.7}'""" in text
+    assert """--override-generation-config "{\\"temperature\\": 0.7}\"""" in text
     assert systemd_verify(text, tmp_path) == "rc=0"
 
 
@@ -188,7 +188,12 @@ def test_caddyfile_validates_and_adapts_to_the_seed_proxy(tmp_path: Path, binary
     for encoder in encoders:
         assert {k: v["filter"] for k, v in encoder["fields"].items()} == {
             "request>headers>Authorization": "delete", "request>headers>Cookie": "delete",
-            "request>headers>Api-Key": "delete"}
+            "request>headers>Api-Key": "delete", "request>headers>X-Api-Key": "delete",
+            "request>uri": "regexp"}
+        assert (encoder["fields"]["request>uri"]["regexp"],
+                encoder["fields"]["request>uri"]["value"]) == ("=[^&]*", "=REDACTED")
+    # The admin API on a unix socket only, never on TCP.
+    assert config["admin"]["listen"] == "unix//run/caddy/admin.sock"
 
 
 @pytest.mark.parametrize("binary", CADDIES, ids=["caddy-2.11-pypi", "caddy-distro"])
@@ -214,7 +219,9 @@ def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/qwen-3090.crt",
-                     "etc/caddy/tls/qwen-3090.key", "etc/systemd/system/vllm-qwen.service"]
+                     "etc/caddy/tls/qwen-3090.key",
+                     "etc/systemd/system/caddy.service.d/uncloseai.conf",
+                     "etc/systemd/system/vllm-qwen.service"]
     assert (out / "etc/caddy/tls/qwen-3090.key").stat().st_mode & 0o777 == 0o640
     assert "CUDA_HOME=/usr/local/cuda-12.8" in (out / "etc/systemd/system/vllm-qwen.service"
                                                 ).read_text()

@@ -153,6 +153,47 @@ def parse_bytes(text: str) -> int | None:
     return round(float(match[1]) * 1024 ** " KMGTPE".index(match[2] or " "))
 
 
+def parse_exec(text: str) -> tuple[str, bool]:
+    """An Exec*= line (`-+/bin/x a b`) or systemctl show's `{ path=... ; argv[]=... ;
+    ignore_errors=yes ... }` -> (argv as one string, are failures ignored)."""
+    text = text.strip()
+    if text.startswith("{"):
+        argv = re.search(r"argv\[\]=(.*?) ; ", text)
+        return (argv[1] if argv else "", "ignore_errors=yes" in text)
+    prefix = re.match(r"[-+@:!]*", text)[0]
+    return text[len(prefix):], "-" in prefix
+
+
+# One syscall of each group the unit denies: a group-form filter and the expanded list that
+# systemctl show reports reduce to the same set.
+_SYSCALL_OF_GROUP = {"@clock": "settimeofday", "@cpu-emulation": "vm86", "@debug": "ptrace",
+                     "@module": "init_module", "@mount": "mount", "@obsolete": "uselib",
+                     "@privileged": "chroot", "@raw-io": "ioperm", "@reboot": "reboot",
+                     "@swap": "swapon", "@resources": "setpriority"}
+
+
+def parse_syscall_filter(text: str) -> tuple[bool, frozenset[str]]:
+    deny = text.startswith("~")
+    words = set(text.lstrip("~").split())
+    found = {_SYSCALL_OF_GROUP.get(w, w) for w in words}
+    return deny, frozenset(found & set(_SYSCALL_OF_GROUP.values()))
+
+
+def parse_errno(text: str) -> str:
+    import errno
+
+    return str(getattr(errno, text.strip(), text.strip()))
+
+
+def parse_bind_paths(text: str) -> list[tuple[str, str]]:
+    """`SRC[:DST[:OPTIONS]]` words -> (src, dst)."""
+    pairs = []
+    for word in text.split():
+        src, _, rest = word.lstrip("-").partition(":")
+        pairs.append((src, rest.split(":", 1)[0] or src))
+    return sorted(pairs)
+
+
 # A unit file setting -> (the property `systemctl show` reports, how to compare the two).
 SERVICE_PROPERTIES: dict[str, tuple[str, Any]] = {
     "TimeoutStartSec": ("TimeoutStartUSec", parse_timespan_us),
@@ -163,6 +204,12 @@ SERVICE_PROPERTIES: dict[str, tuple[str, Any]] = {
     "MemoryMax": ("MemoryMax", parse_bytes),
     "MemoryHigh": ("MemoryHigh", parse_bytes),
     "OOMScoreAdjust": ("OOMScoreAdjust", int),
+    "ExecStartPre": ("ExecStartPre", parse_exec),
+    "SystemCallFilter": ("SystemCallFilter", parse_syscall_filter),
+    "SystemCallErrorNumber": ("SystemCallErrorNumber", parse_errno),
+    "RestrictAddressFamilies": ("RestrictAddressFamilies", lambda t: sorted(t.split())),
+    "BindPaths": ("BindPaths", parse_bind_paths),
+    "ReadWritePaths": ("ReadWritePaths", lambda t: sorted(t.split())),
 }
 
 
@@ -227,6 +274,43 @@ def as_user(user: str, home: str, env: dict[str, str], script: str) -> str:
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in {**base, **env}.items())
     return (f"runuser -u {shlex.quote(user)} -- env -i {assignments} "
             f"/bin/sh -c {shlex.quote(script)}")
+
+
+# [Service] settings that say how the service is started and stopped, not what it may do.
+NOT_SANDBOX = {"Type", "ExecStart", "ExecStartPre", "ExecStartPost", "ExecReload", "ExecStop",
+               "ExecStopPost", "Restart", "RestartSec", "TimeoutStartSec", "TimeoutStopSec",
+               "Environment", "EnvironmentFile", "OOMScoreAdjust", "RemainAfterExit"}
+
+
+def unit_sandbox(host: Host, unit: str) -> list[str]:
+    """The unit's [Service] settings that confine it (User=, ProtectSystem=, ...), from the files
+    systemd loaded it from (`systemctl cat`; NeedDaemonReload=no: what runs is what is there)."""
+    state = unit_show(host, unit, "NeedDaemonReload")
+    if state.get("NeedDaemonReload") != "no":
+        pytest.fail(f"{unit}: its files changed since systemd loaded them (daemon-reload due)",
+                    pytrace=False)
+    text = check(host, f"systemctl cat {shlex.quote(unit)}", f"systemctl cat {unit}").stdout
+    settings, section = [], None
+    for line in text.replace("\\\n", " ").splitlines():  # continuation lines joined
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith(("#", ";")):
+            key = line.split("=", 1)[0].strip()
+            if key not in NOT_SANDBOX:
+                settings.append(line)
+    return settings
+
+
+def in_unit_sandbox(settings: list[str], env: dict[str, str], script: str) -> str:
+    """`script` run by /bin/sh as a transient service confined exactly as the unit is (its
+    User= and every sandbox setting, `systemd-run -p`), with exactly `env`."""
+    props = " ".join(f"-p {shlex.quote(s)}" for s in settings)
+    setenv = " ".join(f"--setenv={shlex.quote(f'{k}={v}')}" for k, v in env.items())
+    # The command becomes the service's ExecStart, where systemd expands $VAR and $$ in every
+    # word (systemd 252's systemd-run has no --expand-environment=no): `$$` is a literal `$`.
+    return (f"systemd-run --wait --pipe --quiet --collect --service-type=exec {props} {setenv} "
+            f"/bin/sh -c {shlex.quote(script.replace('$', '$$'))}")
 
 
 def with_env(env: dict[str, str], script: str) -> str:

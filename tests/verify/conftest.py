@@ -12,8 +12,10 @@ the box with what the inventory says it should be:
 
 Remote donors are reached with testinfra's paramiko backend as ssh_user@ssh_hostname:ssh_port,
 with ssh_key if given, through sudo when ssh_user is not root, and checking host keys against
-ssh_known_hosts_file when the host data names one, or --known-hosts PATH (the testbed writes one
-per run); with either, an unknown or changed host key is refused. --on-box uses
+ssh_known_hosts_file when the host data names one, or --known-hosts PATH (the testbed writes
+one per run), else ~/.ssh/known_hosts: an unknown or changed host key is refused, unless
+--accept-unknown-host-keys (an unknown key is then accepted with a warning; a changed one
+never). --on-box uses
 testinfra's local backend (through sudo when not run as root: the checks read root-only state and
 run commands as the service user).
 
@@ -56,6 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--known-hosts", metavar="PATH",
                     help="known_hosts file for every remote donor (default: each donor's "
                          "ssh_known_hosts_file, else ~/.ssh/known_hosts)")
+    group.addoption("--accept-unknown-host-keys", action="store_true",
+                    help="connect to a donor whose host key is not in the known_hosts file "
+                         "(with a warning); without it an unknown key is refused")
 
 
 def _option(config: pytest.Config, name: str, default: object = None) -> object:
@@ -128,8 +133,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 class KnownHostsParamikoBackend(ParamikoBackend):
     """testinfra's paramiko backend, but honouring a known_hosts file (unknown keys refused)."""
 
-    def __init__(self, hostspec: str, known_hosts: str | None = None, **kwargs: object) -> None:
+    def __init__(self, hostspec: str, known_hosts: str | None = None,
+                 accept_unknown: bool = False, **kwargs: object) -> None:
         self.known_hosts = known_hosts
+        self.accept_unknown = accept_unknown
         super().__init__(hostspec, **kwargs)
 
     @functools.cached_property
@@ -137,10 +144,11 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         client = paramiko.SSHClient()
         if self.known_hosts:
             client.load_host_keys(self.known_hosts)
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
         else:
             client.load_system_host_keys()
-            client.set_missing_host_key_policy(paramiko.WarningPolicy())
+        # paramiko refuses a changed key (BadHostKeyException) whatever the policy says.
+        client.set_missing_host_key_policy(
+            paramiko.WarningPolicy() if self.accept_unknown else paramiko.RejectPolicy())
         client.connect(hostname=self.host.name, port=int(self.host.port or 22),
                        username=self.host.user, key_filename=self.ssh_identity_file,
                        timeout=self.timeout, banner_timeout=self.timeout,
@@ -148,7 +156,8 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         return client
 
 
-def make_host(data: dict, on_box: bool, known_hosts: str | None = None) -> Host:
+def make_host(data: dict, on_box: bool, known_hosts: str | None = None,
+              accept_unknown: bool = False) -> Host:
     """A testinfra Host for one donor; nothing connects until the first command."""
     if on_box:
         return Host(LocalBackend(sudo=os.geteuid() != 0))
@@ -157,6 +166,7 @@ def make_host(data: dict, on_box: bool, known_hosts: str | None = None) -> Host:
     backend = KnownHostsParamikoBackend(
         f"{data['ssh_user']}@{address}:{data['ssh_port']}",
         known_hosts=known_hosts or data.get("ssh_known_hosts_file"),
+        accept_unknown=accept_unknown,
         ssh_identity_file=data.get("ssh_key"), timeout=CONNECT_TIMEOUT_S,
         sudo=bool(data.get("_sudo")))
     return Host(backend)
@@ -177,7 +187,8 @@ def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
     (the failure is remembered, so a dead host costs one timeout, not one per test)."""
     if donor not in _HOSTS:
         box = make_host(data, bool(_option(request.config, "on_box")),
-                        _option(request.config, "known_hosts"))
+                        _option(request.config, "known_hosts"),
+                        bool(_option(request.config, "accept_unknown_host_keys", False)))
         try:
             probe = box.run("true")
             _HOSTS[donor] = box if probe.rc == 0 else f"`true` exited {probe.rc}: {probe.stderr}"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from boxcheck import (
+    SERVICE_PROPERTIES,
     bus_path,
+    in_unit_sandbox,
     listeners,
     parse_bytes,
     parse_environment,
@@ -53,3 +55,31 @@ def test_listeners() -> None:
            'LISTEN 0 4096 [::1]:18889 [::]:*\n')
     assert listeners(out) == [("127.0.0.1", 18888, "vllm"), ("*", 443, "caddy"),
                               ("::1", 18889, "?")]
+
+
+@pytest.mark.parametrize(("setting", "unit_value", "shown"), [
+    ("ExecStartPre", "-+/usr/bin/nvidia-modprobe -u -c=0",
+     "{ path=/usr/bin/nvidia-modprobe ; argv[]=/usr/bin/nvidia-modprobe -u -c=0 ; "
+     "ignore_errors=yes ; start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; "
+     "status=0/0 }"),
+    ("SystemCallFilter", "~@mount @reboot @swap", "~mount umount2 reboot swapon swapoff"),
+    ("SystemCallErrorNumber", "EPERM", "1"),
+    ("RestrictAddressFamilies", "AF_INET AF_UNIX", "AF_UNIX AF_INET"),
+    ("BindPaths", "/home/fox", "/home/fox:/home/fox:rbind"),
+])
+def test_unit_settings_compare_as_systemd_shows_them(setting: str, unit_value: str,
+                                                     shown: str) -> None:
+    _, normalise = SERVICE_PROPERTIES[setting]
+    assert normalise(unit_value) == normalise(shown)
+
+
+def test_a_missing_syscall_group_is_a_difference() -> None:
+    _, normalise = SERVICE_PROPERTIES["SystemCallFilter"]
+    assert normalise("~@mount @reboot") != normalise("~mount umount2")
+
+
+def test_sandboxed_script_keeps_its_dollars() -> None:
+    """systemd expands $VAR and $$ in a transient ExecStart: the script goes with `$` doubled."""
+    command = in_unit_sandbox(["User=fox"], {"A": "it's"}, 'echo "$HOME" $$x')
+    assert command.endswith("""/bin/sh -c 'echo "$$HOME" $$$$x'""")
+    assert "-p User=fox" in command and "--setenv='A=it'\"'\"'s'" in command

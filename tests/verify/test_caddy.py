@@ -7,7 +7,7 @@ import difflib
 import json
 
 import pytest
-from boxcheck import loggers_for_host, missing, reverse_proxies, routes_for_host
+from boxcheck import loggers_for_host, missing, need_systemd, reverse_proxies, routes_for_host
 from testinfra.host import Host
 
 from donorkit import render
@@ -115,6 +115,31 @@ def test_access_log_scrubbed(host: Host, data: dict, route: str) -> None:
         for header in data["caddy_log_scrubbed_headers"]:
             field = fields.get(f"request>headers>{header}", {})
             assert field.get("filter") == "delete", f"{route}: {header} is not deleted from logs"
+        uri = fields.get("request>uri", {})
+        assert (uri.get("filter"), uri.get("regexp"), uri.get("value")) == (
+            "regexp", "=[^&]*", "=REDACTED"), f"{route}: query values are logged: {uri}"
+
+
+def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: dict) -> None:
+    """No TCP admin port a local user could load a config through; the socket's directory is
+    caddy's, 0750; the service user cannot reach it; `systemctl reload caddy` goes through it."""
+    socket = data["caddy_admin_socket"]
+    assert _adapted(host).get("admin", {}).get("listen") == f"unix/{socket}"
+    need_systemd(host, "Caddy's running admin socket")
+    directory = host.file(socket.rsplit("/", 1)[0])
+    if not directory.exists:
+        missing(host, f"{directory.path} does not exist (caddy not running with the drop-in?)")
+    assert (directory.user, directory.group, directory.mode) == ("caddy", "caddy", 0o750), (
+        f"{directory.path} is {directory.user}:{directory.group} {oct(directory.mode)}")
+    assert host.file(socket).is_socket, f"{socket} is not a socket"
+    tcp = [line for line in host.check_output("ss -ltnpH").splitlines()
+           if '"caddy"' in line and f":{data['caddy_https_port']} " not in line]
+    assert not tcp, f"caddy listens on more than its public port: {tcp}"
+    user = data["service_user"]
+    denied = host.run("runuser -u %s -- test -w %s", user, socket)
+    assert denied.rc != 0, f"{user} can write to {socket}"
+    reload = host.run("systemctl reload caddy")
+    assert reload.rc == 0, f"systemctl reload caddy failed: {reload.stderr}"
 
 
 def test_tls_certificate(host: Host, data: dict) -> None:

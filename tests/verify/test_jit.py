@@ -1,10 +1,19 @@
 """JIT preflight: what killed the seed's engine at warm-up (FlashInfer compiling fp8 kernels),
-rehearsed as the service user with exactly the unit's environment."""
+rehearsed as the service user with exactly the unit's environment, inside the unit's own sandbox
+(a transient service with the unit's User= and confinement, read back from systemd)."""
 
 from __future__ import annotations
 
 import pytest
-from boxcheck import as_user, sm, unit_env, user_home
+from boxcheck import (
+    as_user,
+    in_unit_sandbox,
+    sm,
+    systemd_booted,
+    unit_env,
+    unit_sandbox,
+    user_home,
+)
 from testinfra.host import Host
 
 KERNEL = r"""
@@ -42,10 +51,16 @@ def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
     user = data["service_user"]
     home = user_home(host, user)
     script = SCRIPT.format(kernel=KERNEL.strip(), arch=sm(data["card"]["arch"]))
-    result = host.run(as_user(user, home, env, script))
+    if systemd_booted(host):
+        sandbox = unit_sandbox(host, m["unit"])
+        assert f"User={user}" in sandbox, f"{m['unit']} does not run as {user}: {sandbox}"
+        command, where = in_unit_sandbox(sandbox, env, script), f"the sandbox of {m['unit']}"
+    else:  # no systemd to confine it (the lent GPU box): the service user's plain shell
+        command, where = as_user(user, home, env, script), f"a shell of {user}"
+    result = host.run(command)
     assert result.rc == 0 and "PREFLIGHT-OK" in result.stdout, (
-        f"nvcc -arch={sm(data['card']['arch'])} ... -lcudart as {user} with the environment of "
-        f"{source} failed (rc {result.rc}):\n{result.stdout}\n{result.stderr}")
+        f"nvcc -arch={sm(data['card']['arch'])} ... -lcudart in {where}, with the environment "
+        f"of {source}, failed (rc {result.rc}):\n{result.stdout}\n{result.stderr}")
 
 
 def test_service_user_home_writable(host: Host, data: dict) -> None:

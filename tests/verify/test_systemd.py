@@ -87,3 +87,21 @@ def test_retired_units_gone(host: Host, data: dict) -> None:
     for unit in data.get("retired_units", []):
         state = host.run("systemctl show -p LoadState -p ActiveState %s", unit).stdout
         assert "LoadState=loaded" not in state, f"{unit} is still installed: {state.split()}"
+
+
+def test_unit_leaves_the_gpu_devices_open(host: Host, m: dict) -> None:
+    """The sandbox must not close the device list (DeviceAllow=, or ProtectClock= which implies
+    one): /dev/nvidia* would be refused and CUDA would see no GPU."""
+    state = unit_show(host, m["unit"], "DevicePolicy", "DeviceAllow", "PrivateDevices")
+    # systemctl show leaves an empty DeviceAllow out.
+    assert (state["DevicePolicy"], state.get("DeviceAllow", ""), state["PrivateDevices"]) == (
+        "auto", "", "no"), f"{m['unit']}: {state}"
+
+
+def test_unit_is_sandboxed(host: Host, m: dict) -> None:
+    """The hardening of defaults.yml, as systemd loaded it."""
+    state = unit_show(host, m["unit"], "NoNewPrivileges", "ProtectSystem", "ProtectHome",
+                      "CapabilityBoundingSet", "PrivateTmp", "RestrictNamespaces")
+    assert (state["NoNewPrivileges"], state["ProtectSystem"], state["ProtectHome"],
+            state["CapabilityBoundingSet"], state["PrivateTmp"]) == (
+        "yes", "strict", "tmpfs", "", "yes"), f"{m['unit']}: {state}"

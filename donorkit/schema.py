@@ -1,0 +1,356 @@
+"""The inventory's schema: every key of defaults.yml, of a donor entry and of `overrides`, with its
+type, shape and range, in one place. Read this file as the reference of what the data may say.
+
+Validated with pydantic v2 (already installed as a dependency of pyinfra; pinned in
+requirements.txt): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
+refused, and each error located by a path (`models.qwen.port`) that donorkit.fleet turns into one
+line naming the file, the donor and the field.
+
+How the pieces fit (donorkit.fleet does the loading):
+- `Defaults` is defaults.yml. A donors file is `Inventory`: `donors:` (one `Donor` per box) and
+  an optional file-wide `overrides:`.
+- A donor's effective settings = defaults.yml, deep-merged with the file's `overrides:`, then with
+  the donor's own `overrides:` (mappings merge key by key at every depth, so
+  `overrides: {models: {qwen: {port: 18887}}}` changes one field of one profile; lists and scalars
+  replace; `vllm_exl3_plugin` is replaced whole, it is one of two shapes). The merged result is
+  validated again as a `Defaults`, then the donor's cross-checks run (`check_box`).
+- A new kind of inventory entry (e.g. edge boxes) is a new model here and a new field of
+  `Inventory`, with its own cross-checks; the field types above are shared.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import unicodedata
+from typing import Annotated, Any, Literal
+
+from packaging.requirements import InvalidRequirement, Requirement
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+# ------------------------------------------------------------------ value types --------------
+
+
+def _no_control(text: str) -> str:
+    """No control characters anywhere (a newline in a value would write its own unit or Caddyfile
+    line); every string of the inventory goes through this."""
+    for char in text:
+        if unicodedata.category(char) == "Cc":
+            raise ValueError(f"control character {char!r} is not allowed")
+    return text
+
+
+def _matching(pattern: str, what: str) -> AfterValidator:
+    compiled = re.compile(pattern)
+
+    def check(text: str) -> str:
+        if not compiled.fullmatch(text):
+            raise ValueError(f"{text!r} is not {what}")
+        return text
+
+    return AfterValidator(check)
+
+
+Text = Annotated[str, AfterValidator(_no_control)]
+"""Any string without control characters (quoted wherever it is written)."""
+
+Name = Annotated[str, Field(max_length=63),
+                 _matching(r"[a-z0-9][a-z0-9-]*", "a name (lowercase letters, digits, '-'; "
+                                                  "not starting with '-')")]
+"""Donor names, card profiles and model identities: they become file and unit names."""
+
+
+def _abs_path(text: str) -> str:
+    if not text.startswith("/") or any(c.isspace() for c in text) or "/../" in f"{text}/":
+        raise ValueError(f"{text!r} is not an absolute path without whitespace or '..'")
+    return text
+
+
+AbsPath = Annotated[str, AfterValidator(_no_control), AfterValidator(_abs_path)]
+"""A path on the box: absolute, no whitespace, no control characters, no `..`."""
+
+LocalPath = Annotated[str, Field(min_length=1), AfterValidator(_no_control),
+                      _matching(r"[^\s]+", "a path without whitespace")]
+"""A path on the operator's machine; relative paths are relative to the repository root."""
+
+UserName = Annotated[str, _matching(r"[a-z_][a-z0-9_-]{0,31}",
+                                    "a user name (lowercase, at most 32 characters)")]
+
+
+def _not_root(text: str) -> str:
+    if text == "root":
+        raise ValueError("the service must not run as root")
+    return text
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+Hostname = Annotated[str, Field(max_length=253), _matching(
+    r"([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}", "a DNS hostname")]
+"""A public hostname (lowercase, fully qualified)."""
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+
+
+def _ssh_host(text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if len(text) > 253 or not re.fullmatch(rf"{_LABEL}(\.{_LABEL})*\.?", text):
+        raise ValueError(f"{text!r} is not a hostname or an IP address")
+    return text
+
+
+SshHost = Annotated[str, AfterValidator(_ssh_host)]
+"""What pyinfra connects to: a hostname or an IPv4/IPv6 address (never empty, never `-...`)."""
+
+Url = Annotated[str, _matching(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%+/-]*)?",
+                               "an http(s) URL (host, optional port and path; no query)")]
+GitUrl = Annotated[str, _matching(
+    r"(https?|git|ssh)://[A-Za-z0-9.@:-]+(/[A-Za-z0-9._~%+/-]*)?|file:///[A-Za-z0-9._~%+/-]+",
+    "a git URL (http(s)://, git://, ssh:// or file:///; no query)")]
+UrlTemplate = Annotated[str, _matching(
+    r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{distro\})*)?",
+    "an http(s) URL (may contain {distro})")]
+GitRef = Annotated[str, Field(max_length=200),
+                   _matching(r"[A-Za-z0-9][A-Za-z0-9._/+-]*", "a git tag, branch or commit")]
+Version = Annotated[str, _matching(r"[0-9][0-9A-Za-z.+-]*", "a version (e.g. 0.26.0)")]
+DriverVersion = Annotated[str, _matching(r"[0-9]+(\.[0-9]+)*", "an NVIDIA driver version "
+                                                               "(e.g. 580.65.06)")]
+VllmVariant = Annotated[str, _matching(r"cu[0-9]{3}", "a CUDA variant like cu128")]
+WheelUrlTemplate = Annotated[str, _matching(
+    r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{version\}|\{variant\})*)?",
+    "an http(s) URL (may contain {version} and {variant})")]
+Arch = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a compute capability MAJOR.MINOR")]
+CudaVersion = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a CUDA version MAJOR.MINOR")]
+DebPackage = Annotated[str, _matching(r"[a-z0-9][a-z0-9+.-]+", "a Debian package name")]
+Distro = Annotated[str, _matching(r"[a-z]+[0-9]+", "<ID><VERSION_ID without dots>")]
+FileName = Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._+-]*", "a file name")]
+EnvName = Annotated[str, _matching(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name")]
+HeaderName = Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9-]*", "an HTTP header name")]
+Duration = Annotated[str, _matching(r"([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+",
+                                    "a Caddy duration (e.g. 5s, 1260s)")]
+Executable = Annotated[str, _matching(r"[A-Za-z0-9._+-]+|/[^\s]+",
+                                      "a command name or an absolute path")]
+ExecutableTemplate = Annotated[str, AfterValidator(_no_control),
+                               _matching(r"(/|\{venv_dir\}/)[^\s]+",
+                                         "an absolute path (may start with {venv_dir})")]
+Checkpoint = Annotated[str, AfterValidator(_no_control), _matching(
+    r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?|/[^\s]+",
+    "a Hugging Face repository id (owner/name) or an absolute path")]
+
+
+def _requirement(text: str) -> str:
+    try:
+        Requirement(text)
+    except InvalidRequirement:
+        raise ValueError(f"{text!r} is not a pip requirement (name==version)") from None
+    if text.startswith("-") or any(c.isspace() for c in text):
+        raise ValueError(f"{text!r} is not a pip requirement (name==version)")
+    return text
+
+
+PipRequirement = Annotated[str, AfterValidator(_requirement)]
+
+# vLLM's `vllm serve` flags the deploy owns. vLLM's FlexibleArgumentParser treats `_` and `-`
+# alike in option names and is an argparse parser with allow_abbrev left on (so `--hos` is
+# `--host`); `--config FILE` pulls any option (host, port, served-model-name) from a YAML file;
+# `--model` replaces the positional checkpoint.
+DEPLOY_OWNED_ARGS = ("--host", "--port", "--served-model-name", "--model", "--config")
+
+
+def owned_option(arg: str) -> str | None:
+    """The deploy-owned flag `arg` would set in vLLM's parser, if any: `--x=v`, `--x.key`,
+    `_` for `-` and unambiguous prefixes all count. Every argument is checked, values too:
+    argparse reads `--host=0.0.0.0` as an option wherever it stands."""
+    if not arg.startswith("--") or len(arg) < 3:
+        return None
+    name = re.split(r"[=.]", arg, maxsplit=1)[0].replace("_", "-")
+    for owned in DEPLOY_OWNED_ARGS:
+        if owned.startswith(name):
+            return owned
+    return None
+
+
+def _model_arg(value: str | int | float) -> str:
+    text = str(value)
+    _no_control(text)
+    owned = owned_option(text)
+    if owned:
+        raise ValueError(f"{text!r} would set {owned}, which the deploy owns "
+                         "(--host 127.0.0.1, the model's port, no alias, no config file)")
+    return text
+
+
+ModelArg = Annotated[str | int | float, AfterValidator(_model_arg)]
+
+
+def _unit_value(value: str | int | bool) -> str | int | bool:
+    if isinstance(value, str):
+        _no_control(value)
+        if value.endswith("\\"):
+            raise ValueError("a value ending in '\\' would continue onto the next line")
+    return value
+
+
+UnitValue = Annotated[str | int | bool, AfterValidator(_unit_value)]
+# Set by the template from other data: a [Service] key here would contradict it.
+TEMPLATE_OWNED_SERVICE_KEYS = {"User", "Group", "DynamicUser", "ExecStart", "Environment",
+                               "EnvironmentFile", "Type", "PassEnvironment"}
+
+
+def _service_key(text: str) -> str:
+    if text in TEMPLATE_OWNED_SERVICE_KEYS:
+        raise ValueError(f"{text} is set by the unit template, not by unit_service")
+    return text
+
+
+ServiceKey = Annotated[str, _matching(r"[A-Z][A-Za-z0-9]+", "a systemd directive name"),
+                       AfterValidator(_service_key)]
+
+# ------------------------------------------------------------------ the models ----------------
+
+
+class Strict(BaseModel):
+    """Every section: strict types, unknown keys refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Card(Strict):
+    """A card profile (defaults.yml `cards:`): a new card is a new entry."""
+
+    gpu_name: Text                          # what nvidia-smi reports
+    arch: Arch                              # compute capability, "8.9"
+    cuda: CudaVersion                       # toolkit under /usr/local/cuda-<cuda>
+    pip_index_url: Url                      # where pip finds this CUDA variant of torch/vLLM
+    pip_extra_index_urls: list[Url]
+    vllm_variant: VllmVariant | None = None  # vLLM's CUDA-variant release wheel (cu128), if any
+
+
+class Model(Strict):
+    """A model identity (defaults.yml `models:`): one loopback port each."""
+
+    checkpoint: Checkpoint
+    port: Port
+    max_model_len: Annotated[int, Field(ge=1)]
+    args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
+    environment: dict[EnvName, Text]
+
+
+class PluginPath(Strict):
+    path: LocalPath                         # the plugin's directory on the operator's machine
+
+
+class PluginGit(Strict):
+    git_url: GitUrl
+    ref: GitRef
+
+
+class Defaults(Strict):
+    """defaults.yml, and what a donor's merged overrides must still be."""
+
+    supported_distros: list[Distro]
+    require_nvidia_smi: bool
+    cuda_driver_minimums: dict[CudaVersion, DriverVersion]  # oldest driver each CUDA runs on
+    apt_lock_wait: Annotated[int, Field(ge=0, le=86400)]  # seconds apt steps wait for locks
+    cuda_repo_url: UrlTemplate
+    cuda_keyring_deb: FileName
+    cuda_keyring_path: AbsPath
+    build_packages: list[DebPackage]
+    service_user: Annotated[UserName, AfterValidator(_not_root)]  # vLLM never runs as root
+    install_root: AbsPath
+    venv_dir: AbsPath
+    venv_python: Executable
+    vllm_version: Version
+    torch_version: Version
+    vllm_release_wheel_url: WheelUrlTemplate
+    venv_build_packages: list[PipRequirement]
+    vllm_executable: ExecutableTemplate
+    exllamav3_git_url: GitUrl
+    exllamav3_ref: GitRef
+    exllamav3_version: Version
+    exllamav3_gib_per_job: Annotated[float, Field(gt=0, le=1024)]
+    exllamav3_patches: list[LocalPath]
+    exllamav3_wheel_cache: LocalPath
+    vllm_exl3_plugin: PluginPath | PluginGit
+    vllm_exl3_plugin_dir: AbsPath
+    vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",
+                                                    "a distribution name")]
+    unit_environment: dict[EnvName, Text]
+    unit_service: dict[ServiceKey, UnitValue]
+    cards: dict[Name, Card]
+    models: dict[Name, Model]
+    caddy_source: Literal["distro", "upstream"]
+    caddy_upstream_repo_url: Url
+    caddy_upstream_key_url: Url
+    caddy_https_port: Port
+    caddy_admin_socket: Annotated[str, _matching(r"/run/[a-z0-9-]+/[a-z0-9.-]+",
+                                                 "/run/<dir>/<socket>")]
+    caddy_dial_timeout: Duration
+    caddy_response_header_timeout: Duration
+    caddy_log_scrubbed_headers: list[HeaderName]
+    caddy_access_log: AbsPath
+    caddy_tls_dir: AbsPath
+    pki_dir: LocalPath
+    pki_renew_days: Annotated[int, Field(ge=1, le=300)]
+
+
+class Donor(Strict):
+    """One entry of donors.yml `donors:`."""
+
+    ssh_host: SshHost                       # what pyinfra connects to
+    ssh_user: UserName                      # not root: sudo is used
+    ssh_port: Port = 22
+    ssh_key: LocalPath | None = None        # private key on the operator's machine
+    ssh_known_hosts_file: LocalPath | None = None
+    card: Name                              # a key of defaults.yml `cards:`
+    routes: Annotated[dict[Hostname, Name], Field(min_length=1)]  # public hostname -> model
+    overrides: dict[str, Any] = {}          # any defaults.yml key; validated after merging
+
+
+class Inventory(Strict):
+    """A donors file. (A new kind of entry, e.g. `edges:`, is a new field here.)"""
+
+    donors: Annotated[dict[Name, dict[str, Any]], Field(min_length=1)]
+    overrides: dict[str, Any] = {}
+
+
+# Keys whose value is replaced whole by an override, not merged (it has alternative shapes).
+REPLACED_WHOLE = {"vllm_exl3_plugin"}
+
+
+def deep_merge(base: dict, override: dict, top: bool = True) -> dict:
+    """`override` onto `base`: mappings merge key by key at every depth; anything else (lists,
+    scalars, a mapping over a non-mapping) replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if (isinstance(value, dict) and isinstance(base.get(key), dict)
+                and not (top and key in REPLACED_WHOLE)):
+            merged[key] = deep_merge(base[key], value, top=False)
+        else:
+            merged[key] = value
+    return merged
+
+
+def check_box(defaults: Defaults, donor: Donor) -> tuple[str, str] | None:
+    """Cross-checks of one box once merged: (field, problem), or None when it is sound."""
+    if donor.card not in defaults.cards:
+        return "card", (f"unknown card '{donor.card}' "
+                        f"(known: {', '.join(sorted(defaults.cards))})")
+    cuda = defaults.cards[donor.card].cuda
+    if cuda not in defaults.cuda_driver_minimums:
+        return f"cards.{donor.card}.cuda", (f"CUDA {cuda} has no driver minimum under "
+                                            "cuda_driver_minimums")
+    for hostname, model in donor.routes.items():
+        if model not in defaults.models:
+            return f"routes.{hostname}", (f"unknown model identity '{model}' "
+                                          f"(known: {', '.join(sorted(defaults.models))})")
+    ports: dict[int, str] = {defaults.caddy_https_port: "caddy_https_port"}
+    for model in sorted(set(donor.routes.values())):
+        port = defaults.models[model].port
+        if port in ports:
+            return f"models.{model}.port", f"port {port} is also {ports[port]} on this box"
+        ports[port] = f"models.{model}.port"
+    return None
