@@ -195,8 +195,11 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
     if not isinstance(defaults, dict):
         raise FleetError(f"{defaults_path}: must be a mapping of settings, "
                          f"got {type(defaults).__name__}")
-    _validate(schema.Defaults, defaults, str(defaults_path),
-              known=schema.Defaults.model_fields)
+    settings = _validate(schema.Defaults, defaults, str(defaults_path),
+                         known=schema.Defaults.model_fields)
+    problem = schema.check_driver_minimums(settings, list(settings.cards))
+    if problem:
+        raise FleetError(f"{defaults_path}: field '{problem[0]}': {problem[1]}")
     doc = read_yaml(donors_path)
     if not isinstance(doc, dict) or not isinstance(doc.get("donors"), dict) or not doc["donors"]:
         raise FleetError(f"{donors_path}: must be a mapping with a non-empty 'donors' mapping")

@@ -334,15 +334,24 @@ def deep_merge(base: dict, override: dict, top: bool = True) -> dict:
     return merged
 
 
+def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, str] | None:
+    """Each of these cards' CUDA version has a driver minimum (the preflight compares with it)."""
+    for name in cards:
+        cuda = defaults.cards[name].cuda
+        if cuda not in defaults.cuda_driver_minimums:
+            return f"cards.{name}.cuda", (f"CUDA {cuda} has no driver minimum (a version like "
+                                          "580.65.06) under cuda_driver_minimums")
+    return None
+
+
 def check_box(defaults: Defaults, donor: Donor) -> tuple[str, str] | None:
     """Cross-checks of one box once merged: (field, problem), or None when it is sound."""
     if donor.card not in defaults.cards:
         return "card", (f"unknown card '{donor.card}' "
                         f"(known: {', '.join(sorted(defaults.cards))})")
-    cuda = defaults.cards[donor.card].cuda
-    if cuda not in defaults.cuda_driver_minimums:
-        return f"cards.{donor.card}.cuda", (f"CUDA {cuda} has no driver minimum under "
-                                            "cuda_driver_minimums")
+    problem = check_driver_minimums(defaults, [donor.card])
+    if problem:
+        return problem
     for hostname, model in donor.routes.items():
         if model not in defaults.models:
             return f"routes.{hostname}", (f"unknown model identity '{model}' "

@@ -142,6 +142,6 @@ def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path) -> N
     broken.write_text(defaults.replace('  "12.8": "570.26"\n', ""))
     with pytest.raises(FleetError) as caught:
         load_fleet(DONORS_FILE, broken)
-    assert str(caught.value) == (f"{broken}: card 'rtx3090': field 'cuda': CUDA 12.8 has no "
+    assert str(caught.value) == (f"{broken}: field 'cards.rtx3090.cuda': CUDA 12.8 has no "
                                  "driver minimum (a version like 580.65.06) under "
                                  "cuda_driver_minimums")
