@@ -21,7 +21,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/pytest -q tests/unit
+	$(BIN)/pytest -q tests/unit pyinfra_snapshot/tests
 
 testbed: venv
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed

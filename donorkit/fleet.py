@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from donorkit.paths import REPO_ROOT, repo_path
+
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
 
@@ -115,7 +116,7 @@ def _check_plugin_source(where: str, source: Any, require_local: bool) -> None:
 
 def plugin_local_path(source: dict) -> Path:
     """The plugin's directory on the operator's machine (relative paths: from the repo root)."""
-    return (REPO_ROOT / Path(source["path"]).expanduser()).resolve()
+    return repo_path(source["path"])
 
 
 def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
@@ -157,7 +158,7 @@ def _host_data(name: str, donor: dict, defaults: dict, where: str) -> dict:
     data["vllm_executable"] = data["vllm_executable"].format(venv_dir=data["venv_dir"])
     for field in ("ssh_key", "ssh_known_hosts_file"):
         if field in donor:  # relative paths are relative to the repo root, like everything else
-            data[field] = str((REPO_ROOT / Path(donor[field]).expanduser()).resolve())
+            data[field] = str(repo_path(donor[field]))
     if donor["ssh_user"] != "root":
         data["_sudo"] = True
     return data

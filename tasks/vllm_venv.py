@@ -3,12 +3,13 @@ a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to b
 
 from pyinfra import host
 
-from donorkit.operations import python_venv, torch_matches_nvcc, venv_packages
+from donorkit.operations import torch_matches_nvcc
+from pyinfra_snapshot.operations import python_venv, venv_packages
 
 venv = host.data.venv_dir
 card = host.data.card
-index_args = " ".join([f"--index-url {card['pip_index_url']}",
-                       *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
+index_args = ["--index-url", card["pip_index_url"],
+              *(arg for url in card["pip_extra_index_urls"] for arg in ("--extra-index-url", url))]
 
 python_venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
 venv_packages(
@@ -16,7 +17,7 @@ venv_packages(
     venv_dir=venv,
     packages=[f"vllm=={host.data.vllm_version}", f"torch=={host.data.torch_version}",
               *host.data.venv_build_packages],
-    extra_install_args=index_args,
+    install_args=index_args,
 )
 torch_matches_nvcc(
     name="Check torch's CUDA major against nvcc's",
