@@ -67,8 +67,8 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
     """Bring the hosts up from scratch (anything left from an earlier run is torn down first)."""
     times = {} if times is None else times
     _validate(hosts)
+    apt_install_missing(TOOLS)  # before down(): on a fresh machine its teardown needs nft
     down()
-    apt_install_missing(TOOLS)
     with phase("rootfs", times):
         rootfs.ensure_base()
     with phase("repo build", times):
