@@ -10,9 +10,10 @@ import shlex
 import tarfile
 from pathlib import Path
 
-from pyinfra import config, host, logger
+from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, StringCommand
 from pyinfra.api.output import format_text
+from pyinfra.context import ctx_host
 from pyinfra.facts.files import FileContents
 from pyinfra.operations.util.files import generate_color_diff
 
@@ -55,8 +56,10 @@ def apt_install(packages: list[str], installed: set[str]):
 
 
 def diffing() -> bool:
-    """Whether the run shows text diffs (pyinfra's --diff)."""
-    return bool(config.DIFF)
+    """Whether the run shows text diffs (pyinfra's --diff), from the host's State (pyinfra's
+    `config` context is not set in the greenlets that execute operations)."""
+    run_state = getattr(ctx_host.get(), "state", None)
+    return bool(run_state is not None and run_state.config.DIFF)
 
 
 def show_diff(dest: str, current: list[str] | None, content: str) -> None:

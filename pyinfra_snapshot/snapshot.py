@@ -19,7 +19,7 @@ import json
 import weakref
 from typing import Any
 
-from pyinfra import host, state
+from pyinfra import host
 from pyinfra.api import FactBase
 from pyinfra.api.state import StateStage
 from pyinfra.context import ctx_host
@@ -128,11 +128,14 @@ def disable() -> None:
 
 def _current_snapshot() -> dict[str, Any] | None:
     current = _current_host()
-    if not _enabled or current not in _declared or state.current_stage != StateStage.Execute:
+    # The host's own State: pyinfra's `state` context is not set in the greenlets that
+    # execute operations.
+    run_state = current.state
+    if not _enabled or current not in _declared or run_state.current_stage != StateStage.Execute:
         return None
     if current in _snapshots and _snapshots[current] is None:
         return None  # this run changed the host: snapshots are over for it
-    if host_changed(state, current):
+    if host_changed(run_state, current):
         _snapshots[current] = None
         return None
     if current not in _snapshots:
