@@ -153,11 +153,19 @@ def pyinfra_as_a_user_runs_it(*args: str, answer: str | None = None,
     return result.returncode, output
 
 
-def preview_rows(output: str, host: str) -> list[str]:
-    """The operation names of pyinfra's "Detected changes" table that name `host`."""
+def preview_rows(output: str, host: str, column: str = "any") -> list[str]:
+    """The operation names of pyinfra's "Detected changes" table whose "Change" column
+    (column="change"), "Conditional Change" column ("conditional") or either names `host`."""
     table = output.split("--> Detected changes:", 1)[1].split("Detected changes may not", 1)[0]
-    return [re.split(r"\s{4,}", line.strip())[0].split(" | ", 1)[-1]
-            for line in table.splitlines() if re.search(rf"[(,] ?{re.escape(host)}[,)]", line)]
+    names = []
+    for line in table.splitlines():
+        cells = re.split(r"\s{3,}", line.strip())  # pyinfra pads columns to 3+ spaces
+        if len(cells) != 3:
+            continue
+        wanted = {"change": cells[1:2], "conditional": cells[2:3], "any": cells[1:3]}[column]
+        if any(re.search(rf"[(,] ?{re.escape(host)}[,)]", cell) for cell in wanted):
+            names.append(cells[0].split(" | ", 1)[-1])
+    return names
 
 
 def test_the_readme_command_previews_and_applies(hosts: dict[str, Host]) -> None:
@@ -173,8 +181,9 @@ def test_the_readme_command_previews_and_applies(hosts: dict[str, Host]) -> None
     assert "No changes" in run and "Success" not in run
     # The one step that may run: the plugin's reinstall, if its source changes (pyinfra's
     # "Conditional Change" column); nothing else is proposed on a converged host.
-    rows = preview_rows(output, GOOD)
-    assert rows and all("Install the vllm-exl3 plugin again" in row for row in rows), rows
+    assert preview_rows(output, GOOD, "change") == [], output[-6000:]
+    assert preview_rows(output, GOOD, "conditional") == [
+        "Install the vllm-exl3 plugin again (its source changed)"], output[-6000:]
     assert unit_start(good, "vllm-qwen.service") == before
 
 
@@ -195,7 +204,7 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
     rc, output = pyinfra_as_a_user_runs_it("inventory/gpus.py", "deploy.py", "--limit", GOOD,
                                            "--dry", "--diff", env={"DONORS_FILE": str(donors)})
     assert rc == 0, output[-6000:]
-    assert preview_rows(output, GOOD) == ["Install vllm-qwen.service"], output[-6000:]
+    assert preview_rows(output, GOOD, "change") == ["Install vllm-qwen.service"], output[-6000:]
     assert f"Will modify {unit}" in output
     assert re.search(r"\+\s*Environment=UNCLOSEAI_PREVIEW=1", output), output[-6000:]
     assert "--> Beginning operation run" not in output
@@ -335,7 +344,7 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     rc, output = pyinfra_as_a_user_runs_it("inventory/testbed.py", "deploy.py", "--limit", GOOD,
                                            "--dry", "--diff")
     assert rc == 0, output[-6000:]
-    proposed = preview_rows(output, GOOD)
+    proposed = preview_rows(output, GOOD, "change")
     for step in ("Install build tools", "Install /etc/caddy/Caddyfile",
                  "Create service user fox", "Install the exllamav3 build script"):
         assert step in proposed, (step, proposed)
