@@ -206,7 +206,7 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
     assert rc == 0, output[-6000:]
     assert preview_rows(output, GOOD, "change") == ["Install vllm-qwen.service"], output[-6000:]
     assert f"Will modify {unit}" in output
-    assert re.search(r"\+\s*Environment=UNCLOSEAI_PREVIEW=1", output), output[-6000:]
+    assert re.search(r"\+\s*Environment=\"?UNCLOSEAI_PREVIEW=1", output), output[-6000:]
     assert "--> Beginning operation run" not in output
     assert ssh(good, f"sha256sum {unit}").stdout == unit_before
     assert unit_start(good, "vllm-qwen.service") == started
