@@ -214,7 +214,7 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
 
 def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) -> None:
     """On real systemd: the snapshot's one systemctl for all units and one stat for all paths
-    (donorkit/prefetch.py) give each request what its own command gives."""
+    (pyinfra_snapshot/snapshot.py) give each request what its own command gives."""
     good = hosts[GOOD]
 
     def remote(command: str) -> list[str]:
