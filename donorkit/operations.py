@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import FileDownloadCommand, FileUploadCommand, FunctionCommand, StringCommand
+from pyinfra.api import (
+    FileDownloadCommand,
+    FileUploadCommand,
+    FunctionCommand,
+    QuoteString,
+    StringCommand,
+)
 
 from donorkit import wheel_cache
 from donorkit.facts import CudaStack
@@ -150,7 +156,7 @@ def upload_cached_wheel(build: Exllamav3Build, box: dict, cuda: dict):
         return
     path, digest = cached
     q_wheel = q(stack.wheel)
-    yield StringCommand("mkdir", "-p", stack.remote_dir)
+    yield StringCommand("mkdir", "-p", QuoteString(stack.remote_dir))
     yield FileUploadCommand(str(path), f"{stack.remote_wheel}.part")
     yield (f"cd {q(stack.remote_dir)} && if echo {q(f'{digest}  {stack.wheel}.part')} | "
            f"sha256sum -c --quiet; then mv -f {q_wheel}.part {q_wheel} && "

@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 from pyinfra import host, logger
-from pyinfra.api import FileUploadCommand, StringCommand
+from pyinfra.api import FileUploadCommand, QuoteString, StringCommand
 from pyinfra.api.output import format_text
 from pyinfra.context import ctx_host
 from pyinfra.facts.files import FileContents
@@ -94,7 +94,7 @@ def config_file(content: str, dest: str, current: dict, current_text: list[str] 
     if diffing() and not same_content:
         show_diff(dest, current_text, content)
     staged = f"{dest}.uncloseai-new"
-    yield StringCommand("mkdir", "-p", str(Path(dest).parent))
+    yield StringCommand("mkdir", "-p", QuoteString(str(Path(dest).parent)))
     yield FileUploadCommand(io.BytesIO(content.encode()), staged)
     steps = [f"chown {_owner(user, group)} {q(staged)}", f"chmod {q(mode)} {q(staged)}"]
     if validate:
