@@ -23,7 +23,7 @@ lint: venv
 
 test: lint
 	$(BIN)/python -m tests.unit.host_tools
-	$(BIN)/pytest -q tests/unit
+	$(BIN)/pytest -q tests/unit pyinfra_snapshot/tests
 
 testbed: venv
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed

@@ -7,12 +7,12 @@ Brings up N testbed hosts with the rtx4090 profile (tests/testbed/hosts.py), con
 the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
 donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
   (a) ours:   this deploy;
-  (b) stock:  the same deploy with our speed-ups off (UNCLOSEAI_STOCK=all: every fact read is
-              its own remote command, pyinfra's stock SSH sockets (no TCP_NODELAY or
-              TCP_QUICKACK), pyinfra's stock stack walk);
-  (c) before: the deploy as it was before issue 6's batching (git worktree of --baseline, with
-              pyinfra's own server.user, pip.packages, files.put/directory, DebPackages and
-              File + Sha256File), with pyinfra's stock SSH;
+  (b) stock:  the same deploy with the speed-ups off (bench/stock_inventory.py: every fact read
+              is its own remote command, pyinfra's stock SSH sockets, no TCP_NODELAY or
+              TCP_QUICKACK);
+  (c) before: the deploy at --baseline (a git ref, default 1cf33d2: the commit before issue
+              13's operation refactor), as it was, in a git worktree of its own: the before and
+              after of a change, timed in one run on the same hosts;
   (d) floor:  pyinfra connecting to the hosts and reading one fact each, nothing else
               (bench/floor_deploy.py): what no deploy can go below on this machine;
 and prints min/median/max wall time, the ratios and remote commands per host (counted from
@@ -50,8 +50,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
-# The last commit before issue 6's batching: pyinfra's own operations and one fact per read.
-BASELINE = "11824dab3396b5f7108394f9a07d98211b0adf04"
+# main before issue 13 (operations as facts + args -> commands; op_overhead dropped).
+# 11824dab: the last commit before issue 6's batching (pyinfra's own operations).
+BASELINE = "1cf33d2"
 
 
 def donors_file(names: list[tuple[str, str]], path: Path,
@@ -98,16 +99,11 @@ def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None 
     controller (pyinfra's process) and the rest of the machine (the hosts' sshd and commands,
     and over 50 ms the relay), which here share the same cores."""
     env = dict(os.environ, DONORS_FILE=str(donors))
-    env.pop("UNCLOSEAI_STOCK", None)
-    env.pop("UNCLOSEAI_STOCK_SSH", None)
-    cwd = REPO_ROOT
-    if mode == "stock":
-        env["UNCLOSEAI_STOCK"] = "all"
-    elif mode == "before":
-        env["UNCLOSEAI_STOCK_SSH"] = "1"
-        cwd = baseline
+    cwd = REPO_ROOT if mode != "before" else baseline
+    inventory = str(REPO_ROOT / "bench/stock_inventory.py") if mode == "stock" else (
+        "inventory/gpus.py")
     args = [str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []), *extra,
-            "inventory/gpus.py", "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
+            inventory, "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
     started, busy, controller = time.perf_counter(), busy_cpu_s(), children_cpu_s()
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
@@ -199,7 +195,7 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", default=BASELINE,
-                        help="commit of the deploy before the batching ('' to skip (c))")
+                        help="git ref of the deploy timed as 'before' ('' to skip (c))")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of the modes to time (ours is always timed)")
     args = parser.parse_args()

@@ -14,8 +14,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from donorkit import schema
+from donorkit.paths import REPO_ROOT, repo_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
 
@@ -60,7 +60,7 @@ def read_yaml(path: Path) -> Any:
 
 def plugin_local_path(source: dict) -> Path:
     """The plugin's directory on the operator's machine (relative paths: from the repo root)."""
-    return (REPO_ROOT / Path(source["path"]).expanduser()).resolve()
+    return repo_path(source["path"])
 
 
 _EXPECTED = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list_type": "list",
@@ -180,7 +180,7 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     for field in ("ssh_key", "ssh_known_hosts_file"):
         value = getattr(donor, field)
         if value is not None:  # relative paths are relative to the repo root, like everything else
-            data[field] = str((REPO_ROOT / Path(value).expanduser()).resolve())
+            data[field] = str(repo_path(value))
     if donor.ssh_user != "root":
         data["_sudo"] = True
     return data
@@ -244,8 +244,9 @@ def venv_install(data: dict) -> dict:
     wheel_url = data["vllm_release_wheel_url"].format(version=version, variant=variant)
     vllm_source = f"vllm @ {wheel_url}" if variant else vllm
     rest = [f"torch=={data['torch_version']}", *data["venv_build_packages"]]
-    index_args = " ".join([f"--index-url {card['pip_index_url']}",
-                           *(f"--extra-index-url {url}" for url in card["pip_extra_index_urls"])])
+    extra = card["pip_extra_index_urls"]
+    index_args = ["--index-url", card["pip_index_url"],
+                  *(arg for url in extra for arg in ("--extra-index-url", url))]
     return {"venv_requirements": [vllm, *rest], "venv_install_specs": [vllm_source, *rest],
             "venv_index_args": index_args,
             "vllm_installed_version": f"{version}+{variant}" if variant else version}

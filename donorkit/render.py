@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from donorkit.fleet import REPO_ROOT
+from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.pki import Pki
 
 TEMPLATES = REPO_ROOT / "templates"
@@ -148,7 +148,7 @@ def render_caddy_drop_in(data: dict) -> str:
 
 
 def pki_for(data: dict) -> Pki:
-    return Pki(REPO_ROOT / data["pki_dir"], data["pki_renew_days"])
+    return Pki(repo_path(data["pki_dir"]), data["pki_renew_days"])
 
 
 def render_host(data: dict) -> list[RenderedFile]:

@@ -27,9 +27,8 @@ from pathlib import Path
 
 from pyinfra.api import FactBase
 
-from donorkit.facts import _sections
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from donorkit.paths import repo_path
+from pyinfra_snapshot.facts import first, sections
 
 
 class WheelCacheError(Exception):
@@ -42,11 +41,12 @@ class Exllamav3Stack(FactBase):
     (HostProfile, read once when the deploy loads), and the stack it has installed.
 
     Cheap: the Python ABI comes from the venv's pyvenv.cfg, torch's version from its version.py
-    (found in the venv's site-packages, no Python started).
+    (found in the venv's site-packages, no Python started). `wheels`: the verified wheels the
+    box holds under `box_dir` (`<stack id>/<wheel>`, those with their sha256 sidecar).
     """
 
-    def command(self, venv_dir: str, stamp: str) -> str:
-        venv = shlex.quote(venv_dir)
+    def command(self, venv_dir: str, stamp: str, box_dir: str) -> str:
+        venv, box = shlex.quote(venv_dir), shlex.quote(box_dir)
         return (
             # The first match only (pyvenv.cfg has version and version_info): sed quits there.
             "echo @@python; sed -n "
@@ -55,20 +55,19 @@ class Exllamav3Stack(FactBase):
             "echo @@torch; sed -n \"s/^__version__ *= *'\\(.*\\)'.*/\\1/p\" "
             f"{venv}/lib/python3*/site-packages/torch/version.py 2>/dev/null; "
             "echo @@machine; uname -m; "
-            f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo"
+            f"echo @@installed; cat {shlex.quote(stamp)} 2>/dev/null; echo; "
+            f"echo @@wheels; cd {box} 2>/dev/null && "
+            "for f in */*.whl.sha256; do [ ! -e \"$f\" ] || echo \"${f%.sha256}\"; done; true"
         )
 
     def process(self, output: list[str]) -> dict:
-        sections = _sections(output)
-
-        def first(name: str) -> str | None:
-            return (sections.get(name) or [None])[0] or None
-
-        python = first("python")
+        found = sections(output)
+        python = first(found, "python")
         return {"python": python,
                 "abi": f"cp{python.replace('.', '')}" if python else None,
-                "torch": first("torch"), "machine": first("machine"),
-                "installed": first("installed")}
+                "torch": first(found, "torch"), "machine": first(found, "machine"),
+                "installed": first(found, "installed"),
+                "wheels": sorted(line for line in found.get("wheels", []) if line)}
 
 
 def patches_digest(paths: list[str]) -> str:
@@ -77,15 +76,10 @@ def patches_digest(paths: list[str]) -> str:
         return "none"
     digest = hashlib.sha256()
     for path in paths:
-        text = resolve(path).read_bytes()
+        text = repo_path(path).read_bytes()
         start = text.find(b"diff ")  # the comment above the diff is not part of the build
         digest.update(text[max(start, 0):])
     return digest.hexdigest()[:12]
-
-
-def resolve(path: str) -> Path:
-    """A path on the operator's machine: relative ones are relative to the repo root."""
-    return (REPO_ROOT / Path(path).expanduser()).resolve()
 
 
 def stack_key(version: str, ref: str, patches: str, arch: str, box: dict) -> str:

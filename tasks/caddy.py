@@ -4,14 +4,14 @@ loopback port. A new config is validated (as the caddy user) before it replaces 
 from pyinfra import host
 from pyinfra.operations import files
 
-from donorkit.operations import (
+from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_host
+from pyinfra_snapshot.operations import (
     apt_install,
     config_file,
     directories,
     owned_file,
     reloaded_service,
 )
-from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_host
 
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
 # A changed unit drop-in (the admin socket's directory) needs a restart, not a reload.

@@ -4,7 +4,8 @@ side by side under /usr/local/cuda-X.Y. Nothing here touches the floating /usr/l
 from pyinfra import host
 
 from donorkit.facts import host_profile
-from donorkit.operations import apt_install, config_file, deb_from_url, toolkit_compiler
+from donorkit.operations import toolkit_compiler
+from pyinfra_snapshot.operations import apt_install, config_file, deb_from_url
 
 distro = host_profile()["distro"]
 repo_url = host.data.cuda_repo_url.format(distro=distro).rstrip("/")

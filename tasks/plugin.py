@@ -1,12 +1,20 @@
-"""The vllm-exl3 plugin, from the operator's machine or a git ref, installed editable --no-deps."""
+"""The vllm-exl3 plugin, from the operator's machine or a git ref, installed editable --no-deps;
+installed again when its source changed in this run."""
 
 from pyinfra import host
+from pyinfra.operations import server
 
 from donorkit.fleet import plugin_local_path
-from donorkit.operations import editable_install, git_checkout, source_tree
+from pyinfra_snapshot.operations import (
+    editable_install,
+    editable_install_command,
+    git_checkout,
+    source_tree,
+)
 
 plugin = host.data.vllm_exl3_plugin
 dest = host.data.vllm_exl3_plugin_dir
+venv = host.data.venv_dir
 
 if "path" in plugin:
     fetched = source_tree(name="Ship the vllm-exl3 plugin source",
@@ -14,5 +22,8 @@ if "path" in plugin:
 else:
     fetched = git_checkout(name=f"Check out vllm-exl3 {plugin['ref']}",
                            url=plugin["git_url"], ref=plugin["ref"], dest=dest)
-editable_install(name="Install the vllm-exl3 plugin (editable)", venv_dir=host.data.venv_dir,
-                 source_dir=dest, reinstall=[fetched])
+editable_install(name="Install the vllm-exl3 plugin (editable)", venv_dir=venv, source_dir=dest,
+                 _if=fetched.did_not_change)
+# Change detection lists this one under "Conditional Change": it runs if the source changes.
+server.shell(name="Install the vllm-exl3 plugin again (its source changed)",
+             commands=[editable_install_command(venv, dest)], _if=fetched.did_change)

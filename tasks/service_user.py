@@ -2,7 +2,7 @@
 
 from pyinfra import host
 
-from donorkit.operations import directories, system_user
+from pyinfra_snapshot.operations import directories, system_user
 
 system_user(
     name=f"Create service user {host.data.service_user}",

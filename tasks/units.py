@@ -3,8 +3,8 @@ changed (unit, venv distributions, plugin, exllamav3), including a restart a fai
 
 from pyinfra import host
 
-from donorkit.operations import config_file, retired_unit, vllm_service
 from donorkit.render import UNIT_DIR, VERIFY_UNIT, render_unit
+from pyinfra_snapshot.operations import config_file, retired_unit, service_running_its_files
 
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
@@ -20,7 +20,7 @@ for model in host.data.models.values():
     # A unit systemd would refuse (or warn about: a line it ignores) never replaces a working one.
     config_file(name=f"Install {model['unit']}", content=render_unit(host.data.dict(), model),
                 dest=unit_path, validate=VERIFY_UNIT)
-    vllm_service(
+    service_running_its_files(
         name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
         unit=model["unit"],
         depends_on=[unit_path, *shared_dependencies],

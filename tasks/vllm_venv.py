@@ -3,7 +3,8 @@ a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to b
 
 from pyinfra import host
 
-from donorkit.operations import python_venv, torch_matches_nvcc, venv_packages
+from donorkit.operations import torch_matches_nvcc
+from pyinfra_snapshot.operations import python_venv, venv_packages
 
 venv = host.data.venv_dir
 
@@ -13,7 +14,7 @@ venv_packages(
     venv_dir=venv,
     packages=host.data.venv_requirements,
     install=host.data.venv_install_specs,
-    extra_install_args=host.data.venv_index_args,
+    install_args=host.data.venv_index_args,
 )
 torch_matches_nvcc(
     name="Check torch's CUDA major against nvcc's",

@@ -28,10 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from donorkit import render
-from donorkit.facts import PathStates, UnitState
 from donorkit.fleet import load_fleet
+from pyinfra_snapshot.facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
@@ -138,7 +139,7 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
     print(f"\ntb-3090 waited {free[1]} s for apt's locks ({busy[1]} was held)")
     assert int(free[1]) >= 5
     # ... and then ran its apt steps to the end: it stops at the CUDA step, as always.
-    assert f"uncloseai: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing" in log, log[-4000:]
+    assert f"refused: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing" in log, log[-4000:]
 
 
 def test_old_driver_stops_at_the_preflight_before_installing(hosts: dict[str, Host]) -> None:
@@ -146,7 +147,7 @@ def test_old_driver_stops_at_the_preflight_before_installing(hosts: dict[str, Ho
     before any package is installed (the first converge above ran it beside the others)."""
     rc, report, output = deploy("--limit", OLD, want_json=False)
     assert rc != 0
-    refusal = (f"uncloseai: {OLD}: NVIDIA driver {OLD_DRIVER} is older than 580.65.06, the "
+    refusal = (f"refused: {OLD}: NVIDIA driver {OLD_DRIVER} is older than 580.65.06, the "
                "minimum for CUDA 13.3 (card profile 'rtx4090')")
     assert refusal in output, output[-4000:]
     assert "Starting operation: tasks/cuda.py" not in output[output.index(refusal):]
@@ -160,7 +161,7 @@ def test_broken_host_stops_at_the_cuda_step_with_a_clear_message(hosts: dict[str
     rc, report, output = deploy("--limit", BAD, want_json=False)
     assert rc != 0
     # pyinfra pads host names to the longest one's width: match the message itself.
-    refusal = (f"uncloseai: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing after "
+    refusal = (f"refused: {BAD}: /usr/local/cuda-12.8/bin/nvcc is missing after "
                "installing cuda-toolkit-12-8")
     assert refusal in output, output[-4000:]
     after = output[output.index(refusal):]
@@ -179,18 +180,88 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     assert changed_ops(report, GOOD) == []
     assert report["results"]["totals"]["success"] == 0
     # Checked in full, in two remote commands: the host profile (read while the deploy loads)
-    # and the snapshot of every operation's facts (donorkit/prefetch.py). More means an
-    # operation reads a fact it did not declare with @reads, or one was added without it.
+    # and the snapshot of every operation's facts (pyinfra_snapshot/snapshot.py). More means
+    # a fact read that no operation declared.
     commands = re.findall(r"Running command on \S+: \(pty=\w+\) (.{0,60})", log)
     assert len(commands) == 2, commands
-    assert "@@uncloseai-snapshot" in commands[1]
+    assert "@@pyinfra-snapshot" in commands[1]
     assert unit_start(good, "vllm-qwen.service") == before
     assert unit_start(good, "caddy") == caddy_before
 
 
+def pyinfra_as_a_user_runs_it(*args: str, answer: str | None = None,
+                               env: dict[str, str] | None = None) -> tuple[int, str]:
+    """pyinfra as the README gives it: no -y; with `answer`, the prompt gets that line."""
+    result = subprocess.run([str(BIN / "pyinfra"), *args], cwd=REPO_ROOT, text=True,
+                            input=answer, capture_output=True, timeout=1800,
+                            env={**os.environ, **(env or {})})
+    output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr)  # no colours
+    assert "Traceback" not in output and "RuntimeError" not in output, output[-6000:]
+    return result.returncode, output
+
+
+def preview_rows(output: str, host: str, column: str = "any") -> list[str]:
+    """The operation names of pyinfra's "Detected changes" table whose "Change" column
+    (column="change"), "Conditional Change" column ("conditional") or either names `host`."""
+    table = output.split("--> Detected changes:", 1)[1].split("Detected changes may not", 1)[0]
+    names = []
+    for line in table.splitlines():
+        cells = re.split(r"\s{3,}", line.strip())  # pyinfra pads columns to 3+ spaces
+        if len(cells) != 3:
+            continue
+        wanted = {"change": cells[1:2], "conditional": cells[2:3], "any": cells[1:3]}[column]
+        if any(re.search(rf"[(,] ?{re.escape(host)}[,)]", cell) for cell in wanted):
+            names.append(cells[0].split(" | ", 1)[-1])
+    return names
+
+
+def test_the_readme_command_previews_and_applies(hosts: dict[str, Host]) -> None:
+    """`pyinfra inventory/testbed.py deploy.py` as the README gives it, on the converged host:
+    change detection, the proposed changes, the prompt (answered), the run: nothing changes."""
+    good = hosts[GOOD]
+    before = unit_start(good, "vllm-qwen.service")
+    rc, output = pyinfra_as_a_user_runs_it("inventory/testbed.py", "deploy.py", "--limit", GOOD,
+                                           answer="\n")
+    assert rc == 0, output[-6000:]
+    assert "--> Detected changes:" in output and "Press enter to execute" in output
+    run = output.split("--> Beginning operation run...", 1)[1].split("--> Results:", 1)[0]
+    assert "No changes" in run and "Success" not in run
+    # The one step that may run: the plugin's reinstall, if its source changes (pyinfra's
+    # "Conditional Change" column); nothing else is proposed on a converged host.
+    assert preview_rows(output, GOOD, "change") == [], output[-6000:]
+    assert preview_rows(output, GOOD, "conditional") == [
+        "Install the vllm-exl3 plugin again (its source changed)"], output[-6000:]
+    assert unit_start(good, "vllm-qwen.service") == before
+
+
+def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Host],
+                                                             tmp_path: Path) -> None:
+    """A new environment variable in the fleet data: `--dry --diff` names the unit's step and
+    shows the new line; the box is left as it was."""
+    good = hosts[GOOD]
+    doc = yaml.safe_load(DONORS.read_text())
+    defaults = yaml.safe_load((REPO_ROOT / "inventory/defaults.yml").read_text())
+    doc["donors"][GOOD]["overrides"] = {"unit_environment": {
+        **defaults["unit_environment"], "UNCLOSEAI_PREVIEW": "1"}}
+    donors = tmp_path / "donors.yml"
+    donors.write_text(yaml.safe_dump(doc))
+    unit = "/etc/systemd/system/vllm-qwen.service"
+    unit_before = ssh(good, f"sha256sum {unit}").stdout
+    started = unit_start(good, "vllm-qwen.service")
+    rc, output = pyinfra_as_a_user_runs_it("inventory/gpus.py", "deploy.py", "--limit", GOOD,
+                                           "--dry", "--diff", env={"DONORS_FILE": str(donors)})
+    assert rc == 0, output[-6000:]
+    assert preview_rows(output, GOOD, "change") == ["Install vllm-qwen.service"], output[-6000:]
+    assert f"Will modify {unit}" in output
+    assert re.search(r"\+\s*Environment=\"?UNCLOSEAI_PREVIEW=1", output), output[-6000:]
+    assert "--> Beginning operation run" not in output
+    assert ssh(good, f"sha256sum {unit}").stdout == unit_before
+    assert unit_start(good, "vllm-qwen.service") == started
+
+
 def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) -> None:
     """On real systemd: the snapshot's one systemctl for all units and one stat for all paths
-    (donorkit/prefetch.py) give each request what its own command gives."""
+    (pyinfra_snapshot/snapshot.py) give each request what its own command gives."""
     good = hosts[GOOD]
 
     def remote(command: str) -> list[str]:
@@ -215,9 +286,20 @@ def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) ->
 
 def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> None:
     """tb-4090 built exllamav3 and copied the wheel back; tb-4090b (same stack) must install
-    that wheel: no clone, no compiler."""
+    that wheel: no clone, no compiler. Before that, `--dry` on the bare box proposes the whole
+    build (the steps that depend on earlier ones included) and changes nothing."""
     wheels = sorted((REPO_ROOT / ".testbed/wheel-cache").rglob("exllamav3-*.whl"))
     assert len(wheels) == 1, wheels
+    rc, output = pyinfra_as_a_user_runs_it("inventory/testbed.py", "deploy.py", "--limit",
+                                           SECOND, "--dry")
+    assert rc == 0, output[-6000:]
+    proposed = preview_rows(output, SECOND)
+    for step in ("Install build tools", "Create the venv /opt/uncloseai/vllm-venv",
+                 "exllamav3: upload the cached wheel of this stack", "exllamav3: install the wheel",
+                 "Install the vllm-exl3 plugin again (its source changed)",
+                 "Install /etc/caddy/Caddyfile"):
+        assert step in proposed, (step, proposed)
+    assert ssh(hosts[SECOND], "test -e /opt/uncloseai", check=False).returncode != 0
     second = hosts[SECOND]
     # Before its first deploy, tb-4090b's dpkg is killed mid-install (as an SSH drop would):
     # the deploy must finish it (dpkg --configure -a) and converge.
@@ -363,12 +445,23 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     """A stopped unit, an edited Caddyfile and a removed package are each put right by a re-run;
     and a unit whose dependency changed while a run died is restarted by the next run."""
     good = hosts[GOOD]
-    # Each is checked through the run's one-command snapshot of the host (donorkit/prefetch.py).
+    # Each is checked through the run's one-command snapshot of the host
+    # (pyinfra_snapshot/snapshot.py).
     ssh(good, "systemctl stop vllm-qwen.service; echo '# drift' >> /etc/caddy/Caddyfile; "
               "apt-get -q -y remove ninja-build >/dev/null; "
               "/opt/uncloseai/vllm-venv/bin/pip uninstall -q -y wheel; "
               "chmod 700 /opt/uncloseai/state; chmod 644 /opt/uncloseai/bin/build-exllamav3.sh; "
               "usermod --shell /bin/bash fox")
+    # Previewed first: the repairs are proposed, the Caddyfile's stray line shown, nothing done.
+    rc, output = pyinfra_as_a_user_runs_it("inventory/testbed.py", "deploy.py", "--limit", GOOD,
+                                           "--dry", "--diff")
+    assert rc == 0, output[-6000:]
+    proposed = preview_rows(output, GOOD, "change")
+    for step in ("Install build tools", "Install /etc/caddy/Caddyfile",
+                 "Create service user fox", "Install the exllamav3 build script"):
+        assert step in proposed, (step, proposed)
+    assert re.search(r"-\s*# drift", output), output[-6000:]
+    assert "# drift" in ssh(good, "cat /etc/caddy/Caddyfile").stdout
     rc, report, log = deploy("--limit", GOOD)
     assert rc == 0, log[-4000:]
     changed = changed_ops(report, GOOD)

@@ -1,5 +1,5 @@
-"""files/apt_get.sh in a real shell: apt-get runs only once the lock files are free of fcntl(2)
-record locks (what apt and dpkg take), the wait is said on stderr, and it is bounded."""
+"""pyinfra_snapshot/apt_get.sh in a real shell: apt-get runs only once the lock files are free of
+fcntl(2) record locks (what apt and dpkg take), the wait is said on stderr, and it is bounded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "files/apt_get.sh"
+SCRIPT = REPO_ROOT / "pyinfra_snapshot/apt_get.sh"
 HOLD = ("import fcntl, sys, time\n"
         "f = open(sys.argv[1], 'w')\n"
         "fcntl.lockf(f, fcntl.LOCK_EX)\n"  # fcntl F_SETLKW, as apt and dpkg lock

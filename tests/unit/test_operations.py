@@ -1,89 +1,40 @@
-"""Our custom operations, pyinfra's own way (tests/operations/<module>.<op>/*.json upstream):
-an operation's arguments and the facts it reads go in, the exact commands come out, and a
-converged host yields no command at all (that is what makes a re-run report zero changes).
-
-Cases live in tests/unit/operations/<operation>/<case>.json:
-  {"args": {...}, "facts": {"FactName": {"k=v,k2=v2": value}}, "commands": [...],
-   "noop": bool, "error": "substring"?, "changed_dependencies": bool?}
-Uploads show as "upload <dest>" (" via <remote_temp_filename>" when one is given)."""
+"""The donor-box operations, pyinfra's way (pyinfra_snapshot/testing.py): arguments and facts
+in, exact commands out. exllamav3's four steps share a case file: the box as it is before any of
+them ran, and what each step does on its own from there."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FileUploadCommand, StringCommand
-from pyinfra.context import ctx_host
 
 from donorkit import operations
+from donorkit.operations import Exllamav3Build
+from pyinfra_snapshot.testing import check_case, plan, refusal_message
 
-CASES = sorted((Path(__file__).parent / "operations").glob("*/*.json"))
-
-
-class FakeOperation:
-    """Stands in for an earlier operation's OperationMeta (did it change anything?)."""
-
-    def __init__(self, changed: bool) -> None:
-        self.changed = changed
-
-    def did_change(self) -> bool:
-        return self.changed
-
-
-class FakeHost:
-    """A host whose facts are the case's; records noop messages."""
-
-    name = "box-a"
-    data = {"ssh_user": "ubuntu"}  # a sudo login: uploads go through remote_temp_filename
-
-    def __init__(self, facts: dict) -> None:
-        self.facts = facts
-        self.noops: list[str] = []
-
-    def get_fact(self, fact: type, **kwargs: object) -> object:
-        key = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items())
-                       if not isinstance(v, list)) or "-"
-        by_args = self.facts.get(fact.__name__, {})
-        if key not in by_args:
-            raise AssertionError(f"case lacks fact {fact.__name__}[{key!r}]")
-        return by_args[key]
-
-    def noop(self, message: str) -> None:
-        self.noops.append(message)
-
-
-def as_text(command: object) -> str:
-    if isinstance(command, FileUploadCommand):
-        via = f" via {command.remote_temp_filename}" if command.remote_temp_filename else ""
-        return f"upload {command.dest}{via}"
-    if isinstance(command, StringCommand):
-        text = command.get_raw_value()
-    else:
-        text = str(command)
-    # apt commands carry files/apt_get.sh's shell function (tested on its own in a real shell).
-    return text.replace(operations.APT_FUNCTIONS, "<files/apt_get.sh>")
+HERE = Path(__file__).parent / "operations"
+CASES = sorted(p for p in HERE.glob("*/*.json") if p.parent.name != "exllamav3")
+WHEEL_CASES = sorted((HERE / "exllamav3").glob("*.json"))
+STEPS = ("upload_cached_wheel", "build_wheel", "install_wheel", "copy_wheel_back")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.stem}" for c in CASES])
 def test_operation(case: Path) -> None:
+    check_case(getattr(operations, case.parent.name), case)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("case", WHEEL_CASES, ids=[c.stem for c in WHEEL_CASES])
+def test_exllamav3_step(case: Path, step: str) -> None:
     spec = json.loads(case.read_text())
-    operation = getattr(operations, case.parent.name)
-    args = dict(spec["args"])
-    for key in ("restart_when", "reinstall"):
-        if key in args:
-            args[key] = [FakeOperation(changed) for changed in args[key]]
-    fake = FakeHost(spec.get("facts", {}))
-    with ctx_host.use(fake):
-        commands = [as_text(c) for c in operation._inner(**args)]
-    if "error" in spec:
-        # A refusal is a command that fails with the message, so only this host stops.
-        assert commands[-1].endswith(" >&2; exit 1"), commands
-        message = shlex.split(commands[-1].removesuffix(" >&2; exit 1"))[1]
-        assert message.startswith("uncloseai: box-a: "), message
-        assert re.search(spec["error"], message), message
+    build = Exllamav3Build(**{**spec["build"], "patches": tuple(spec["build"]["patches"])})
+    args = {"build": build, **spec["args"].get(step, {})}
+    commands, noops = plan(getattr(operations, step), args, spec["facts"])
+    want = spec["steps"][step]
+    if "error" in want:
+        assert re.search(want["error"], refusal_message(commands)), commands
         return
-    assert commands == spec["commands"]
-    assert bool(fake.noops) == spec["noop"], fake.noops
+    assert commands == want["commands"]
+    assert bool(noops) == (want["commands"] == [])

@@ -103,18 +103,18 @@ def test_the_sandbox_leaves_cuda_its_devices_and_jit(tmp_path: Path) -> None:
 
 
 def run_config_file(dest: Path, content: str, validate: str) -> int:
-    """donorkit.operations.config_file's commands in a real shell (the upload done by hand)."""
+    """pyinfra_snapshot's config_file commands in a real shell (the upload done by hand)."""
     from pyinfra.api import FileUploadCommand
     from pyinfra.context import ctx_host
 
-    from donorkit import operations
-    from tests.unit.test_operations import FakeHost, as_text
+    from pyinfra_snapshot.operations import config_file
+    from pyinfra_snapshot.testing import CaseHost, as_text
 
-    fake = FakeHost({"PathStates": {"-": {}}})
-    fake.data = {"ssh_user": "root"}
-    with ctx_host.use(fake):
-        commands = list(operations.config_file._inner(content=content, dest=str(dest),
-                                                      validate=validate))
+    case_host = CaseHost()
+    case_host.data = {"ssh_user": "root"}
+    with ctx_host.use(case_host):
+        commands = list(config_file.plan(content=content, dest=str(dest), validate=validate,
+                                         current={}, current_text=None))
     rc = 0
     for command in commands:
         if isinstance(command, FileUploadCommand):

@@ -9,11 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from pyinfra.context import ctx_host
 
-from donorkit import operations
 from donorkit.fleet import DEFAULTS_FILE, load_fleet, read_yaml
-from tests.unit.test_operations import FakeHost, as_text
+from pyinfra_snapshot.operations import venv_packages
+from pyinfra_snapshot.testing import plan
 
 CARDS = sorted(read_yaml(DEFAULTS_FILE)["cards"])
 RELEASE = "https://github.com/vllm-project/vllm/releases/download/v0.26.0"
@@ -44,11 +43,11 @@ def host_data(tmp_path: Path, card: str) -> dict:
 
 
 def pip_commands(data: dict, installed: dict[str, str]) -> list[str]:
-    fake = FakeHost({"VenvDistributions": {f"venv_dir={data['venv_dir']}": installed}})
-    with ctx_host.use(fake):
-        return [as_text(c) for c in operations.venv_packages._inner(
-            venv_dir=data["venv_dir"], packages=data["venv_requirements"],
-            install=data["venv_install_specs"], extra_install_args=data["venv_index_args"])]
+    commands, _ = plan(venv_packages, {
+        "venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
+        "install": data["venv_install_specs"], "install_args": data["venv_index_args"]},
+        {"installed": installed})
+    return commands
 
 
 @pytest.mark.parametrize("card", CARDS)

@@ -135,22 +135,31 @@ def test_stack_fact_reads_the_box_in_a_real_shell(tmp_path: Path) -> None:
                                 capture_output=True, text=True, env=env).stdout
         return fact.process(output.splitlines())
 
-    # As exllamav3_wheel reads the box: nvcc and torch's CUDA come from CudaStack.
-    facts = {**read(Exllamav3Stack(), venv_dir=str(venv), stamp=str(stamp)),
+    box_dir = tmp_path / "wheels"
+    for stack, name in (("s1", "w.whl"), ("s2", "partial.whl")):
+        (box_dir / stack).mkdir(parents=True)
+        (box_dir / stack / name).write_text("wheel")
+    (box_dir / "s1/w.whl.sha256").write_text("sidecar")  # s2's has none: not a verified wheel
+    # As the exllamav3 steps read the box: nvcc and torch's CUDA come from CudaStack.
+    facts = {**read(Exllamav3Stack(), venv_dir=str(venv), stamp=str(stamp),
+                    box_dir=str(box_dir)),
              **read(CudaStack(), cuda_home=str(cuda.parent), venv_dir=str(venv))}
     assert facts["abi"] == f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert (facts["torch"], facts["torch_cuda"], facts["nvcc"]) == ("2.11.0+cu130", "13.0", "13.0")
     assert facts["machine"] == os.uname().machine
     assert facts["installed"] == "the installed key"
+    assert facts["wheels"] == ["s1/w.whl"]
 
 
 def test_stack_fact_on_a_box_without_venv(tmp_path: Path) -> None:
     fact = Exllamav3Stack()
-    command = fact.command(venv_dir=str(tmp_path / "no-venv"), stamp=str(tmp_path / "no-stamp"))
+    command = fact.command(venv_dir=str(tmp_path / "no-venv"), stamp=str(tmp_path / "no-stamp"),
+                           box_dir=str(tmp_path / "no-wheels"))
     output = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
                             check=True).stdout  # status 0: an answer, not a failed fact
     facts = fact.process(output.splitlines())
     assert [facts[k] for k in ("abi", "torch", "installed")] == [None] * 3
+    assert facts["wheels"] == []
 
 
 def build_env(tmp_path: Path, pip_body: str) -> dict:

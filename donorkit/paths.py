@@ -1,0 +1,13 @@
+"""Paths on the operator's machine: a relative one is relative to the repository's root (where
+deploy.py lives), whatever directory pyinfra was started from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(path: str | Path) -> Path:
+    """`path` made absolute: `~` expanded, a relative path taken from the repository root."""
+    return (REPO_ROOT / Path(path).expanduser()).resolve()
