@@ -141,7 +141,10 @@ def test_any_mutation_renders_or_exits_2_with_one_line() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
 
+        # The same cases on every run (derandomize), so CI is repeatable; set
+        # UNCLOSEAI_PROPERTY_RANDOM=1 to explore new ones.
         @settings(max_examples=CASES, deadline=None, database=None,
+                  derandomize=not os.environ.get("UNCLOSEAI_PROPERTY_RANDOM"),
                   suppress_health_check=list(HealthCheck))
         @given(doc=mutated())
         def case(doc: dict) -> None:
