@@ -4,12 +4,15 @@
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST, under OUT
+#   make rollout [BATCH=N] [FROM=host] [INVENTORY=file]
+#                                     the fleet a batch at a time, each back in service before
+#                                     the next (python -m donorkit.rollout; README "Upgrading the fleet")
 
 VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv test testbed verify render lint
+.PHONY: venv test testbed verify render lint rollout
 
 venv: $(VENV)/.installed
 
@@ -34,3 +37,6 @@ verify: venv
 render: venv
 	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make render HOST=<donor> OUT=<dir>" >&2; exit 2; }
 	$(BIN)/python -m donorkit.render_cli -- "$(HOST)" "$(OUT)"
+
+rollout: venv
+	$(BIN)/python -m donorkit.rollout $(if $(BATCH),--batch $(BATCH)) $(if $(FROM),--from $(FROM)) $(if $(INVENTORY),--inventory $(INVENTORY))

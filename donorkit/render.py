@@ -109,15 +109,32 @@ def cuda_paths(data: dict) -> dict[str, str]:
     }
 
 
+def hub_environment(data: dict) -> dict[str, str]:
+    """The weights are in the service user's cache before a unit starts (tasks/weights.py):
+    vLLM reads them there and never asks the hub, so a restart never waits on it."""
+    return {"HF_HUB_CACHE": f"{data['service_home']}/.cache/huggingface/hub",
+            "HF_HUB_OFFLINE": "1"}
+
+
 def unit_environment(data: dict, model: dict) -> dict[str, str]:
     """Everything a model's unit sets with Environment=, in order."""
-    return {**cuda_paths(data), **data["unit_environment"], **model["environment"]}
+    return {**cuda_paths(data), **hub_environment(data), **data["unit_environment"],
+            **model["environment"]}
+
+
+def pinned_revision(model: dict) -> list[str]:
+    """vLLM's flags for the fetched commit (a local-path checkpoint has none)."""
+    revision = model.get("revision")
+    if not revision or model["checkpoint"].startswith("/"):
+        return []
+    return ["--revision", revision, "--tokenizer-revision", revision]
 
 
 def exec_start(data: dict, model: dict) -> list[str]:
     return [data["vllm_executable"], "serve", model["checkpoint"],
             "--host", "127.0.0.1", "--port", str(model["port"]),
-            "--max-model-len", str(model["max_model_len"]), *map(str, model["args"])]
+            "--max-model-len", str(model["max_model_len"]), *pinned_revision(model),
+            *map(str, model["args"])]
 
 
 def render_unit(data: dict, model: dict) -> str:

@@ -136,6 +136,9 @@ Executable = Annotated[str, _matching(r"[A-Za-z0-9._+-]+|/[^\s]+",
 ExecutableTemplate = Annotated[str, AfterValidator(_no_control),
                                _matching(r"(/|\{venv_dir\}/)[^\s]+",
                                          "an absolute path (may start with {venv_dir})")]
+Commit = Annotated[str, _matching(r"[0-9a-f]{40}", "a commit hash (40 lowercase hex digits)")]
+"""A checkpoint's pinned revision: a full commit hash, never a branch or a tag that can move."""
+
 Checkpoint = Annotated[str, AfterValidator(_no_control), _matching(
     r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?|/[^\s]+",
     "a Hugging Face repository id (owner/name) or an absolute path")]
@@ -156,8 +159,10 @@ PipRequirement = Annotated[str, AfterValidator(_requirement)]
 # vLLM's `vllm serve` flags the deploy owns. vLLM's FlexibleArgumentParser treats `_` and `-`
 # alike in option names and is an argparse parser with allow_abbrev left on (so `--hos` is
 # `--host`); `--config FILE` pulls any option (host, port, served-model-name) from a YAML file;
-# `--model` replaces the positional checkpoint.
-DEPLOY_OWNED_ARGS = ("--host", "--port", "--served-model-name", "--model", "--config")
+# `--model` replaces the positional checkpoint; `--revision` / `--tokenizer-revision` come from
+# the model's pinned `revision` (the weights fetched are the weights served).
+DEPLOY_OWNED_ARGS = ("--host", "--port", "--served-model-name", "--model", "--config",
+                     "--revision", "--tokenizer-revision")
 
 
 def owned_option(arg: str) -> str | None:
@@ -237,6 +242,7 @@ class Model(Strict):
     max_model_len: Annotated[int, Field(ge=1)]
     args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
     environment: dict[EnvName, Text]
+    revision: Commit | None = None          # the checkpoint's commit; None: not pinned yet
 
 
 class PluginPath(Strict):
@@ -295,6 +301,12 @@ class Defaults(Strict):
     caddy_tls_dir: AbsPath
     pki_dir: LocalPath
     pki_renew_days: Annotated[int, Field(ge=1, le=300)]
+    hf_endpoint: Url                        # the Hugging Face hub (or a mirror of its API)
+    hf_token_file: LocalPath | None         # gated checkpoints' token (operator's machine)
+    ready_timeout: Annotated[int, Field(ge=1, le=86400)]      # seconds the gate waits
+    ready_journal_lines: Annotated[int, Field(ge=1, le=1000)]  # shown when not ready
+    rollout_batch_size: Annotated[int, Field(ge=1, le=1000)]   # boxes at a time
+    rollout_in_service_timeout: Annotated[int, Field(ge=1, le=86400)]
 
 
 class Donor(Strict):

@@ -86,15 +86,18 @@ def show_diff(dest: str, current: list[str] | None, content: str) -> None:
 
 @operation(
     current=lambda op: need(PathStates, paths=[op.dest], digest=[op.dest]),
-    current_text=lambda op: need(FileContents, path=op.dest) if diffing() else None,
+    current_text=lambda op: need(FileContents, path=op.dest)
+    if diffing() and not op.secret else None,
 )
 def config_file(content: str, dest: str, current: dict, current_text: list[str] | None,
                 mode: str = "644", user: str = "root", group: str = "root",
-                validate: str | None = None, pending_marker: str | None = None):
+                validate: str | None = None, pending_marker: str | None = None,
+                secret: bool = False):
     """Install `content` at `dest` via a staged copy: validated (`{path}` in `validate` names the
     staged file, quoted) before it replaces the live one; `pending_marker` is touched before the
     swap so a reload that was due survives a run that dies right after it. Under --diff the
-    changed lines are shown, as files.put shows them."""
+    changed lines are shown, as files.put shows them, unless the content is `secret` (a token):
+    then only that it changes."""
     want = hashlib.sha256(content.encode()).hexdigest()
     state_now = current.get(dest, {})
     same_content = (state_now.get("type", "").startswith("regular")
@@ -104,7 +107,10 @@ def config_file(content: str, dest: str, current: dict, current_text: list[str] 
         host.noop(f"{dest} is current")
         return
     if diffing() and not same_content:
-        show_diff(dest, current_text, content)
+        if secret:
+            host.log(f"Will change {dest}: secret content, not shown", logger.info)
+        else:
+            show_diff(dest, current_text, content)
     # Staged in a fresh private directory beside `dest` (0700, the login user's, never a
     # world-readable temporary file: pyinfra's upload for a sudo login goes through
     # remote_temp_filename, placed in it too). The staged file keeps dest's name, so a validator

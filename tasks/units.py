@@ -1,9 +1,15 @@
 """systemd: one vLLM unit per model identity this box serves, restarted only when what it runs
-changed (unit, venv distributions, plugin, exllamav3), including a restart a failed run left due."""
+changed (unit, venv distributions, plugin, exllamav3), including a restart a failed run left due.
+Units of identities no longer served go first (one model per card: a swap frees the GPU before
+the new model loads; its weights are already here, tasks/weights.py). After a (re)start, or
+whenever its model is not listed, the readiness gate waits until /v1/models on the unit's
+loopback port lists the checkpoint, or fails the box with the unit's journal."""
 
 from pyinfra import host
 
+from donorkit.paths import repo_path
 from donorkit.render import UNIT_DIR, VERIFY_UNIT, render_unit
+from donorkit.serving import ready_gate
 from pyinfra_snapshot.operations import config_file, retired_unit, service_running_its_files
 
 install_root = host.data.install_root
@@ -14,6 +20,14 @@ shared_dependencies = [
     f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
     f"{install_root}/state/exllamav3.stack",
 ]
+
+gate = f"{install_root}/bin/wait_ready.py"
+config_file(name="Install the readiness gate", content=repo_path(
+    "files/wait_ready.py").read_text(), dest=gate, mode="755")
+
+for unit in host.data.retired_units:
+    retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
+                 unit_path=f"{UNIT_DIR}/{unit}")
 
 for model in host.data.models.values():
     unit_path = f"{UNIT_DIR}/{model['unit']}"
@@ -26,7 +40,9 @@ for model in host.data.models.values():
         depends_on=[unit_path, *shared_dependencies],
         record=f"{install_root}/state/{model['unit']}.started",
     )
-
-for unit in host.data.retired_units:
-    retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
-                 unit_path=f"{UNIT_DIR}/{unit}")
+    ready_gate(
+        name=f"Ready: {model['unit']} lists {model['checkpoint']}",
+        unit=model["unit"], port=model["port"], checkpoint=model["checkpoint"],
+        python=f"{host.data.venv_dir}/bin/python", script=gate,
+        timeout=host.data.ready_timeout, journal_lines=host.data.ready_journal_lines,
+    )

@@ -490,3 +490,154 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     assert rc == 0, log[-4000:]
     assert unit_start(good, "vllm-qwen.service") != before
     ssh(good, "rmdir /opt/uncloseai/vllm-venv/lib/python3.11/site-packages/drift-0.dist-info")
+
+
+# --- issue 16: weights fetched ahead, the readiness gate, a rolling rollout ---------------------
+
+HUB_FOLDER = "/home/fox/.cache/huggingface/hub/models--turboderp--Qwen3.8-27B-exl3"
+MANIFESTS = "/home/fox/.cache/uncloseai/weights"
+SHARD = "model-00001-of-00002.safetensors"
+# The stand-in vLLM's load delay in tests/testbed/donors.yml (models.qwen.environment).
+LOAD_DELAY = 4
+
+
+def hub(control: str, body: dict | None = None) -> list | dict:
+    """The testbed's hub stand-in (tests/testbed/hub_standin.py): its controls and request log."""
+    import urllib.request
+
+    from tests.testbed.www import URL
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"{URL}/_standin/{control}", data=data),
+                                timeout=10) as response:
+        return json.load(response)
+
+
+def donors_variant(tmp_path: Path, names: list[str], qwen: dict) -> Path:
+    """tests/testbed/donors.yml with only `names` and the qwen model changed as `qwen` says (for
+    `DONORS_FILE=... pyinfra inventory/gpus.py`, the production entry point)."""
+    doc = yaml.safe_load(DONORS.read_text())
+    doc["donors"] = {n: doc["donors"][n] for n in names}
+    model = doc["overrides"].setdefault("models", {}).setdefault("qwen", {})
+    model.setdefault("environment", {}).update(qwen.pop("environment", {}))
+    model.update(qwen)
+    path = tmp_path / f"donors-variant-{len(list(tmp_path.glob('donors-variant-*')))}.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_weights_resume_after_a_cut_and_a_converged_run_fetches_nothing(
+        hosts: dict[str, Host]) -> None:
+    good = hosts[GOOD]
+    size = int(ssh(good, f"stat -L -c %s {HUB_FOLDER}/snapshots/*/{SHARD}").stdout)
+    # Settle first: the drift test above leaves a restart due (its dependency removed again).
+    rc, _, log = deploy("--limit", GOOD)
+    assert rc == 0, log[-4000:]
+    before = unit_start(good, "vllm-qwen.service")
+    ssh(good, f"rm -rf {HUB_FOLDER} {MANIFESTS}")
+    hub("reset", {})
+    hub("fault", {"file": SHARD, "cut_after": size // 2, "times": 1})
+    rc, report, log = deploy("--limit", GOOD)
+    TIMES["weights re-fetch with a cut"] = report["elapsed"]
+    assert rc == 0, log[-4000:]
+    # The fetcher's progress and summary are in the run's output, as it ran.
+    assert "weights: fetching turboderp/Qwen3.8-27B-exl3@" in log, log[-4000:]
+    assert "weights: done, 7 files" in log, log[-4000:]
+    gets = [r for r in hub("requests") if r["method"] == "GET" and "/_cdn/" in r["path"]
+            and r["bytes"] and r["status"] in (200, 206)]
+    cut = [r for r in gets if r["bytes"] == size // 2]
+    assert len(cut) == 1, gets
+    resumed = [r for r in gets if r["range"]]
+    assert len(resumed) == 1 and resumed[0]["path"] == cut[0]["path"], gets
+    assert resumed[0]["range"] == f"bytes={(size // 2) // (10 << 20) * (10 << 20)}-", resumed
+    # New weights of the same revision: the unit keeps running.
+    assert unit_start(good, "vllm-qwen.service") == before
+
+    hub("reset", {})
+    rc, report, log = deploy("--limit", GOOD)
+    assert rc == 0 and changed_ops(report, GOOD) == [], log[-4000:]
+    assert hub("requests") == []
+
+
+def test_ready_gate_waits_for_the_model_to_load(hosts: dict[str, Host]) -> None:
+    """A restart left due (a recorded digest that no longer matches): the deploy restarts the
+    unit and waits until /v1/models lists the model (the stand-in lists it after its load
+    delay, testbed data), showing the elapsed time."""
+    good = hosts[GOOD]
+    ssh(good, "echo stale > /opt/uncloseai/state/vllm-qwen.service.started")
+    rc, report, log = deploy("--limit", GOOD)
+    assert rc == 0, log[-4000:]
+    ready = re.search(r"ready gate: vllm-qwen.service ready after ([\d.]+) s", log)
+    assert ready, log[-4000:]
+    # The gate starts a moment after the unit: it waited most of the load delay.
+    assert float(ready.group(1)) >= LOAD_DELAY / 2, ready.group(0)
+    loaded = ssh(good, "journalctl -u vllm-qwen.service -o cat -n 3 | grep 'loaded after'").stdout
+    assert float(re.findall(r"loaded after ([\d.]+) s", loaded)[-1]) >= LOAD_DELAY, loaded
+
+
+def test_rollout_stops_at_a_box_that_fails_at_start(hosts: dict[str, Host],
+                                                    tmp_path: Path) -> None:
+    """A rollout whose change makes tb-4090b's vLLM refuse a flag: tb-4090 is done, tb-4090b
+    fails with the stand-in's refusal from the journal, the driver prints the resume command;
+    a rollout that would then take tb-4090 down while tb-4090b is not serving refuses."""
+    bad_args = ["--max-num-seqs", "12", "--kv-cache-dtype", "fp9", "--dtype", "float16"]
+    hub("reset", {})
+    variant = donors_variant(tmp_path, [GOOD, SECOND],
+                             {"environment": {"VLLM_STANDIN_LOAD_DELAY": str(LOAD_DELAY + 1)}})
+    doc = yaml.safe_load(variant.read_text())
+    doc["donors"][SECOND]["overrides"] = {"models": {"qwen": {"args": bad_args}}}
+    variant.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rc, out, took = rollout(variant)
+    TIMES["rollout failing at the 2nd box"] = took
+    assert rc == 1, out[-4000:]
+    assert "did not become ready" in out and "invalid choice: 'fp9'" in out, out[-4000:]
+    assert re.search(rf"done: +{GOOD} \(", out), out[-3000:]
+    assert re.search(rf"failed: +{SECOND}: pyinfra exited", out), out[-3000:]
+    assert f"resume with: DONORS_FILE={variant} make rollout FROM={SECOND}\n" in out, out[-3000:]
+    # Now tb-4090b does not serve: deploying tb-4090 would leave the hostname with no box.
+    rc, out, _ = rollout(variant)
+    assert rc == 1 and "would leave hermes.ai.unturf.com with no box" in out, out[-3000:]
+    assert "rollout: batch 1/2" not in out
+
+
+def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
+                                                   tmp_path: Path) -> None:
+    """tb-4090 and tb-4090b serve hermes.ai.unturf.com; a change that restarts vLLM on both is
+    rolled out one box at a time under a request loop through each box's Caddy: at every moment
+    one box answers, and the journals show the two never down at once."""
+    from donorkit.rollout import Box
+    from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
+
+    # First the fix for tb-4090b alone, resumed from where the failed rollout stopped.
+    fixed = donors_variant(tmp_path, [GOOD, SECOND],
+                           {"environment": {"VLLM_STANDIN_LOAD_DELAY": str(LOAD_DELAY + 1)}})
+    rc, out, _ = rollout(fixed, "--from", SECOND)
+    assert rc == 0 and "rollout: done, 1 boxes" in out, out[-4000:]
+
+    change = donors_variant(tmp_path, [GOOD, SECOND],
+                            {"environment": {"VLLM_STANDIN_LOAD_DELAY": str(LOAD_DELAY + 2)}})
+    boxes = [Box(name, data) for name, data in load_fleet(change).items()]
+    since = time.time() - 1
+    with RequestLoop(boxes, "hermes.ai.unturf.com", "turboderp/Qwen3.8-27B-exl3",
+                     max_seconds=600) as loop:
+        rc, out, took = rollout(change)
+        time.sleep(1)
+    TIMES["rollout of 2 boxes"] = took
+    print(f"rollout of 2 boxes in {took:.1f} s; requests: {loop.summary()}")
+    assert rc == 0 and "rollout: done, 2 boxes" in out, out[-4000:]
+    windows = {h: outages(hosts[h], "vllm-qwen.service", since) for h in (GOOD, SECOND)}
+    print(f"out of service: {windows}")
+    assert all(len(w) == 1 and w[0][1] is not None for w in windows.values()), windows
+    assert overlapping(windows) == []
+    # Each box was out for a while (its own requests failed then), never both at once.
+    assert loop.all_failed_rounds == 0, loop.errors
+    assert all(loop.sent[h] > 10 for h in (GOOD, SECOND)), loop.summary()
+
+
+def rollout(donors: Path, *extra: str) -> tuple[int, str, float]:
+    """`make rollout`'s command over the fleet of `donors` (the production inventory file)."""
+    started = time.monotonic()
+    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.rollout", "--inventory",
+                             "inventory/gpus.py", *extra], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=1200,
+                            env={**os.environ, "DONORS_FILE": str(donors)})
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - started

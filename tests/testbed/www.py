@@ -1,4 +1,5 @@
-"""The testbed's HTTP server (10.213.0.1:8089 only) and the stand-in exllamav3 git repository."""
+"""The testbed's HTTP server (10.213.0.1:8089 only; its CDN side on :8090), with the stand-in
+Hugging Face Hub (hub_standin.py), and the stand-in exllamav3 git repository."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import STANDINS, WORK, find_pids, log, run
+from .common import REPO_ROOT, STANDINS, WORK, find_pids, log, run
+from .hub_standin import generate_checkpoint
 from .network import GATEWAY
 
 WWW = WORK / "www"
 PORT = 8089
+CDN_PORT = 8090
 URL = f"http://{GATEWAY}:{PORT}"
+# The stand-in hub's repositories (<org>/<name>/ folders) and the generated checkpoint the
+# testbed's qwen model is fetched as (its fixed revision: tests/testbed/donors.yml).
+HUB = WORK / "hub"
+HUB_CHECKPOINT = "turboderp/Qwen3.8-27B-exl3"
 EXLLAMAV3_TAG = "v1.5.1"
 GIT_URL = f"{URL}/exllamav3.git"
 # Fixed identity and dates: the stand-in's commit (and tag) hash is the same on every run.
@@ -47,15 +54,18 @@ def build_git_repo(www: Path = WWW) -> Path:
     return bare
 
 
-def start_http(www: Path = WWW) -> int:
-    """Serve www/ on the bridge address only (the hosts see it, nothing else). Returns its pid."""
+def start_http(www: Path = WWW, hub: Path = HUB) -> int:
+    """Serve www/ and the hub stand-in on the bridge address only (the hosts see it, nothing
+    else). Returns its pid."""
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    generate_checkpoint(hub / HUB_CHECKPOINT)
     out = open(logs / "http.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(PORT), "--bind", GATEWAY,
-                             "--directory", str(www)],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.testbed.hub_standin", "--bind", GATEWAY,
+                             "--port", str(PORT), "--cdn-port", str(CDN_PORT),
+                             "--directory", str(www), "--hub-root", str(hub)],
+                            cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -70,8 +80,10 @@ def start_http(www: Path = WWW) -> int:
 
 
 def is_http(cmdline: list[str]) -> bool:
-    """Our server's command line: a http.server serving exactly .testbed/www."""
-    return "http.server" in cmdline and str(WWW) in cmdline
+    """Our server's command line: the hub stand-in (or an older run's http.server) serving
+    exactly .testbed/www."""
+    return ("tests.testbed.hub_standin" in cmdline or "http.server" in cmdline) and \
+        str(WWW) in cmdline
 
 
 def stop_http(pid: int | None) -> None:

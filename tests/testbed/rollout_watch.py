@@ -1,0 +1,98 @@
+"""Watching a rollout from outside (the testbed's rollout case and bench/rollout.py):
+
+- `RequestLoop`: a bounded loop of GET /v1/models through each box's GPU-side Caddy (the public
+  hostname as SNI and Host, verified with the testbed's CA), counting per box what was sent and
+  what failed, and the rounds in which every box failed (what a client behind an edge that fails
+  over between the boxes would have seen fail).
+- `outages`: each box's out-of-service windows from its own journal: systemd's "Stopping" line
+  for the vLLM unit to the stand-in's "loaded after" line (the unit stop to /v1/models ready).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from donorkit.rollout import Box, gpu_side_check
+
+from .hosts import Host, ssh
+
+
+@dataclass
+class RequestLoop:
+    boxes: list[Box]
+    hostname: str
+    checkpoint: str
+    interval: float = 0.25
+    max_seconds: float = 900
+    sent: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
+    all_failed_rounds: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RequestLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_seconds  # bounded in time, so in count too
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            ok = []
+            for box in self.boxes:
+                why = gpu_side_check(box, self.hostname, self.checkpoint, timeout=3)
+                self.sent[box.name] = self.sent.get(box.name, 0) + 1
+                if why:
+                    self.failed[box.name] = self.failed.get(box.name, 0) + 1
+                    if len(self.errors) < 20:
+                        self.errors.append(f"{box.name}: {why}")
+                ok.append(why is None)
+            self.rounds += 1
+            self.all_failed_rounds += not any(ok)
+            self._stop.wait(self.interval)
+
+    def summary(self) -> str:
+        per_box = ", ".join(f"{n} {self.failed.get(n, 0)}/{self.sent[n]} failed"
+                            for n in sorted(self.sent))
+        return (f"{self.rounds} rounds ({sum(self.sent.values())} requests): {per_box}; "
+                f"rounds with no box answering: {self.all_failed_rounds}")
+
+
+def outages(host: Host, unit: str, since: float) -> list[tuple[float, float | None]]:
+    """(stopped, ready) wall-clock pairs for `unit` since `since` (epoch seconds), from the
+    host's journal; ready is None if the unit never came back."""
+    out = ssh(host, f"journalctl -u {unit} -o json --no-pager --since @{int(since)}").stdout
+    windows: list[tuple[float, float | None]] = []
+    for line in out.splitlines():
+        entry = json.loads(line)
+        message = entry.get("MESSAGE")
+        if isinstance(message, list):  # journald gives bytes as a list of ints
+            message = bytes(message).decode(errors="replace")
+        when = int(entry["__REALTIME_TIMESTAMP"]) / 1e6
+        if message.startswith("Stopping ") and (not windows or windows[-1][1] is not None):
+            windows.append((when, None))
+        elif " loaded after " in message and windows and windows[-1][1] is None:
+            windows[-1] = (windows[-1][0], when)
+    return windows
+
+
+def overlapping(windows: dict[str, list[tuple[float, float | None]]]) -> list[str]:
+    """Pairs of boxes whose out-of-service windows overlap (an open window runs to now)."""
+    now = time.time()
+    flat = [(name, start, end or now) for name, ws in windows.items() for start, end in ws]
+    clashes = []
+    for i, (a, s1, e1) in enumerate(flat):
+        for b, s2, e2 in flat[i + 1:]:
+            if a != b and s1 < e2 and s2 < e1:
+                clashes.append(f"{a} [{s1:.1f}, {e1:.1f}] and {b} [{s2:.1f}, {e2:.1f}]")
+    return clashes
