@@ -3,16 +3,18 @@
 #                                     the distro's caddy and systemd-analyze where missing)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
-#   make render HOST=name OUT=dir     every file the deploy would write to HOST, under OUT
+#   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
 #   make rollout [BATCH=N] [FROM=host] [INVENTORY=file]
 #                                     the fleet a batch at a time, each back in service before
 #                                     the next (python -m donorkit.rollout; README "Upgrading the fleet")
+#   make accept [LIMIT=host] [VIA=url] acceptance run per donor through its public hostname
+#                                     (records under results/accept; non-zero below baseline)
 
 VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv test testbed verify render lint rollout
+.PHONY: venv test testbed verify render lint rollout accept
 
 venv: $(VENV)/.installed
 
@@ -35,8 +37,11 @@ verify: venv
 	$(BIN)/pytest -q -n auto tests/verify $(if $(LIMIT),--limit $(LIMIT))
 
 render: venv
-	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make render HOST=<donor> OUT=<dir>" >&2; exit 2; }
+	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make render HOST=<donor or edge> OUT=<dir>" >&2; exit 2; }
 	$(BIN)/python -m donorkit.render_cli -- "$(HOST)" "$(OUT)"
 
 rollout: venv
 	$(BIN)/python -m donorkit.rollout $(if $(BATCH),--batch $(BATCH)) $(if $(FROM),--from $(FROM)) $(if $(INVENTORY),--inventory $(INVENTORY))
+
+accept: venv
+	$(BIN)/python -m donorkit.accept $(if $(LIMIT),--limit "$(LIMIT)") $(if $(VIA),--via "$(VIA)")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from donorkit.pki import Pki
 from donorkit.rollout import Box, load_boxes
 from tests.testbed import hosts as bed
 from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
@@ -45,6 +46,7 @@ def donors_file(names: list[tuple[str, str]], delay: float, path: Path) -> Path:
     overrides["models"]["qwen"]["environment"]["VLLM_STANDIN_LOAD_DELAY"] = f"{delay:g}"
     doc["donors"] = {name: dict(model, ssh_host=ip, routes={HOSTNAME: "qwen"})
                      for name, ip in names}
+    doc.pop("edges", None)  # no edge here: the loop asks each box's Caddy, as an edge would
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -82,7 +84,10 @@ def main() -> int:
             os.environ["DONORS_FILE"] = str(donors)
             boxes: list[Box] = load_boxes("inventory/gpus.py")
             since = time.time() - 1
-            with RequestLoop(boxes, HOSTNAME, boxes[0].routes[HOSTNAME]) as loop:
+            # Donors answer only the client CA's certificates: the loop holds one of its own.
+            pki_dir = REPO_ROOT / boxes[0].data["pki_dir"]
+            pair = tuple(str(p) for p in Pki(pki_dir).client_pair("bench-watcher"))
+            with RequestLoop(boxes, HOSTNAME, boxes[0].routes[HOSTNAME], client=pair) as loop:
                 rc, out, took = run([str(BIN / "python"), "-m", "donorkit.rollout",
                                      "--inventory", "inventory/gpus.py"], donors, 3600)
                 time.sleep(1)

@@ -64,3 +64,19 @@ def host_profile() -> dict:
     if host.name not in _profiles:
         _profiles[host.name] = host.get_fact(HostProfile)
     return _profiles[host.name]
+
+
+class CaddyModules(FactBase):
+    """The module ids the box's `caddy` binary has (`caddy list-modules`), e.g.
+    `http.handlers.rate_limit`; empty when caddy is not installed."""
+
+    def command(self) -> str:
+        return "command -v caddy >/dev/null && caddy list-modules 2>/dev/null; true"
+
+    def process(self, output: list[str]) -> list[str]:
+        # One module id per line; Caddy adds blank lines and "Standard modules: N" counts.
+        return [line.strip() for line in output
+                if line.strip() and " " not in line.strip() and "." in line]
+
+    def default(self) -> list[str]:
+        return []

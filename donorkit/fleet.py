@@ -28,7 +28,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
 
 
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict:
+class _FastUniqueKeyLoader(getattr(yaml, "CSafeLoader", _UniqueKeyLoader)):  # type: ignore[misc]
+    """The same on libyaml's parser where PyYAML has it: ~10x faster on defaults.yml, read on
+    every run. Same documents accepted and refused; its messages are terser, so a refused file
+    is parsed again by _UniqueKeyLoader for the message."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
     seen: set = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
@@ -39,8 +45,9 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) 
     return loader.construct_mapping(node)
 
 
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
+    _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                            _construct_unique_mapping)
 
 
 def read_yaml(path: Path) -> Any:
@@ -49,6 +56,10 @@ def read_yaml(path: Path) -> Any:
         text = path.read_text()
     except OSError as exc:
         raise FleetError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        return yaml.load(text, Loader=_FastUniqueKeyLoader)
+    except yaml.YAMLError:
+        pass
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
@@ -86,7 +97,8 @@ def _field(loc: tuple) -> str:
     for item in loc:
         if item == "[key]":
             continue
-        if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-")):
+        if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-", "literal[",
+                                                              "list[")):
             continue
         parts.append(label(item))
     return ".".join(parts)
@@ -153,17 +165,16 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     cards, models = merged["cards"], merged["models"]
     card = dict(cards[donor.card], name=donor.card)
     served = sorted(set(donor.routes.values()))
-    cuda = card["cuda"]
+    cuda = card.get("cuda")
+    card["engine"] = card.get("engine", "cuda")
     data.update(
         donor_name=name,
-        ssh_hostname=donor.ssh_host,
-        ssh_user=donor.ssh_user,
-        ssh_port=donor.ssh_port,
+        role="donor",
         card=card,
         cuda_version=cuda,
-        driver_minimum=merged["cuda_driver_minimums"][cuda],
-        cuda_home=f"/usr/local/cuda-{cuda}",
-        cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}",
+        driver_minimum=merged["cuda_driver_minimums"][cuda] if cuda else None,
+        cuda_home=f"/usr/local/cuda-{cuda}" if cuda else None,
+        cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}" if cuda else None,
         service_home=f"/home/{settings.service_user}",
         routes=[{"hostname": h, "model": m} for h, m in sorted(donor.routes.items())],
         models={m: dict(models[m], args=[str(a) for a in models[m]["args"]], name=m,
@@ -177,18 +188,97 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     data["unit_service"] = {
         k: v.replace("{service_home}", data["service_home"]) if isinstance(v, str) else v
         for k, v in data["unit_service"].items()}
-    for field in ("ssh_key", "ssh_known_hosts_file"):
-        value = getattr(donor, field)
-        if value is not None:  # relative paths are relative to the repo root, like everything else
-            data[field] = str(repo_path(value))
-    if donor.ssh_user != "root":
-        data["_sudo"] = True
+    data.update(_ssh_data(donor))
     return data
 
 
 def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str | None = None,
                require_local_sources: bool = False) -> dict[str, dict]:
     """Return {donor name: host data}; raise FleetError on any mistake in either file."""
+    return load_inventory(donors_path, defaults_path, require_local_sources)[0]
+
+
+def _ssh_data(entry: schema.Donor | schema.Edge) -> dict:
+    data: dict = {"ssh_hostname": entry.ssh_host, "ssh_user": entry.ssh_user,
+                  "ssh_port": entry.ssh_port}
+    for field in ("ssh_key", "ssh_known_hosts_file"):
+        value = getattr(entry, field)
+        if value is not None:  # relative paths are relative to the repo root, like everything else
+            data[field] = str(repo_path(value))
+    if entry.ssh_user != "root":
+        data["_sudo"] = True
+    return data
+
+
+def _pools(donors: dict[str, dict], donors_path: Path) -> dict[str, dict]:
+    """{public hostname: {model, checkpoint, donors: [names]}} from every donor's routes. One
+    hostname is one model: every donor routing it must serve the same checkpoint (the edge's
+    health check and the users' `model` field name it)."""
+    pools: dict[str, dict] = {}
+    for name, data in donors.items():
+        for route in data["routes"]:
+            model = data["models"][route["model"]]
+            pool = pools.setdefault(route["hostname"], {"checkpoint": model["checkpoint"],
+                                                        "model": route["model"],
+                                                        "donors": [], "first": name})
+            if model["checkpoint"] != pool["checkpoint"]:
+                raise FleetError(
+                    f"{donors_path}: donor '{name}': field 'routes.{route['hostname']}': serves "
+                    f"{model['checkpoint']}, but donor '{pool['first']}' serves "
+                    f"{pool['checkpoint']} under that hostname (one hostname, one checkpoint)")
+            pool["donors"].append(name)
+    return pools
+
+
+def _edge_data(name: str, edge: schema.Edge, merged: dict, donors: dict[str, dict],
+               pools: dict[str, dict], where: str) -> dict:
+    """An edge's host data: its settings and one site per public hostname with its donors."""
+    if edge.hostnames == "all":
+        hostnames = sorted(pools)
+    else:
+        hostnames = sorted(set(edge.hostnames))
+        for hostname in hostnames:
+            if hostname not in pools:
+                raise FleetError(f"{where}: field 'hostnames': no donor routes {hostname} "
+                                 f"(routed: {', '.join(sorted(pools))})")
+    keep = ("install_root", "apt_lock_wait", "caddy_upstream_repo_url", "caddy_upstream_key_url",
+            "caddy_admin_socket", "caddy_dial_timeout", "caddy_response_header_timeout",
+            "caddy_log_scrubbed_headers", "caddy_access_log", "caddy_tls_dir", "pki_dir",
+            "pki_renew_days", "edge_https_port", "edge_proxy")
+    data = {key: merged[key] for key in keep}
+    sites = []
+    for hostname in hostnames:
+        pool = pools[hostname]
+        upstreams = []
+        for donor in pool["donors"]:
+            address = donors[donor]["ssh_hostname"]
+            address = f"[{address}]" if ":" in address else address
+            upstreams.append({"donor": donor,
+                              "address": f"{address}:{donors[donor]['caddy_https_port']}"})
+        sites.append({"hostname": hostname, "model": pool["model"],
+                      "checkpoint": pool["checkpoint"], "upstreams": upstreams,
+                      "zone": hostname.replace(".", "_").replace("-", "_")})
+    rate_limit = (edge.rate_limit if "rate_limit" in edge.model_fields_set
+                  else merged["edge_rate_limit"])
+    if isinstance(rate_limit, schema.RateLimit):
+        rate_limit = rate_limit.model_dump()
+    data.update(
+        _ssh_data(edge),
+        role="edge",
+        edge_name=name,
+        caddy_source=edge.caddy_source or merged["caddy_source"],
+        public_tls=edge.public_tls or merged["edge_public_tls"],
+        rate_limit=rate_limit,
+        sites=sites,
+    )
+    return data
+
+
+def load_inventory(donors_path: Path | str | None = None,
+                   defaults_path: Path | str | None = None,
+                   require_local_sources: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Return ({donor name: host data}, {edge name: host data}); raise FleetError on any
+    mistake in either file."""
     donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
     defaults_path = Path(defaults_path or DEFAULTS_FILE)
     defaults = read_yaml(defaults_path)
@@ -222,14 +312,33 @@ def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str 
                              f"used by donor '{seen_addresses[address]}'")
         seen_addresses[address] = name
         fleet[name] = data
+    pools = _pools(fleet, donors_path)
+    edges: dict[str, dict] = {}
+    for name, entry in inventory.edges.items():
+        where = f"{donors_path}: edge '{label(name)}'"
+        if not isinstance(entry, dict):
+            raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
+        if name in fleet:
+            raise FleetError(f"{where}: a donor has that name too (host names are unique)")
+        edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
+        merged = _merged(file_wide, edge.overrides, where, "overrides")
+        data = _edge_data(name, edge, merged, fleet, pools, where)
+        address = (data["ssh_hostname"], data["ssh_port"])
+        if address in seen_addresses:
+            raise FleetError(f"{where}: field 'ssh_host': {address[0]}:{address[1]} is already "
+                             f"used by '{seen_addresses[address]}'")
+        seen_addresses[address] = name
+        edges[name] = data
     if require_local_sources:
         for name, data in fleet.items():
             source = data["vllm_exl3_plugin"]
-            if "path" in source and not plugin_local_path(source).is_dir():
+            # A cpu engine installs no plugin (deploy.py): its source is not needed.
+            if data["card"]["engine"] == "cuda" and "path" in source \
+                    and not plugin_local_path(source).is_dir():
                 raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
                                  f"local path {plugin_local_path(source)} does not exist on "
                                  "this machine")
-    return fleet
+    return fleet, edges
 
 
 def venv_install(data: dict) -> dict:
@@ -239,6 +348,8 @@ def venv_install(data: dict) -> dict:
     release plus PyTorch's index for that CUDA) gets vllm <version>+<variant> from
     `vllm_release_wheel_url`; otherwise vllm from the card's index (PyPI's default build)."""
     card, version = data["card"], data["vllm_version"]
+    if card["engine"] == "cpu":
+        return cpu_venv_install(card)
     variant = card.get("vllm_variant")
     vllm = f"vllm=={version}+{variant}" if variant else f"vllm=={version}"
     wheel_url = data["vllm_release_wheel_url"].format(version=version, variant=variant)
@@ -246,7 +357,35 @@ def venv_install(data: dict) -> dict:
     rest = [f"torch=={data['torch_version']}", *data["venv_build_packages"]]
     extra = card["pip_extra_index_urls"]
     index_args = ["--index-url", card["pip_index_url"],
-                  *(arg for url in extra for arg in ("--extra-index-url", url))]
+                  *(arg for url in extra for arg in ("--extra-index-url", url)),
+                  *trusted_host_args(card)]
     return {"venv_requirements": [vllm, *rest], "venv_install_specs": [vllm_source, *rest],
             "venv_index_args": index_args,
             "vllm_installed_version": f"{version}+{variant}" if variant else version}
+
+
+def trusted_host_args(card: dict) -> list[str]:
+    """pip refuses an index or find-links page over plain http unless its host is trusted."""
+    return [arg for h in card.get("pip_trusted_hosts", []) for arg in ("--trusted-host", h)]
+
+
+def cpu_venv_install(card: dict) -> dict:
+    """A cpu engine's venv: its `packages` and every line of its pinned `requirements_file`,
+    installed together with --no-deps (the file is the whole closure, minus what it says it
+    leaves out); its find-links pages beside the index."""
+    path = repo_path(card["requirements_file"])
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise FleetError(f"card '{card['name']}': field 'requirements_file': cannot read "
+                         f"{path}: {exc.strerror}") from None
+    pinned = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    requirements = [*card["packages"], *pinned]
+    args = ["--no-deps", "--index-url", card["pip_index_url"],
+            *(arg for url in card["pip_extra_index_urls"] for arg in ("--extra-index-url", url)),
+            *(arg for url in card.get("pip_find_links", []) for arg in ("--find-links", url)),
+            *trusted_host_args(card)]
+    # What `vllm --version` and importlib.metadata report for distribution "vllm".
+    vllm = next((r for r in card["packages"] if r.split("==")[0] == "vllm"), "")
+    return {"venv_requirements": requirements, "venv_install_specs": requirements,
+            "venv_index_args": args, "vllm_installed_version": vllm.split("==")[-1]}

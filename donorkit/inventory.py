@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from donorkit.fleet import FleetError, load_fleet
+from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import repo_path
 from donorkit.pki import Pki, PkiError
 from pyinfra_snapshot import ssh_socket
@@ -14,31 +14,43 @@ from pyinfra_snapshot import ssh_socket
 
 def fleet_or_exit(donors_path: Path | str | None = None,
                   require_local_sources: bool = True) -> dict[str, dict]:
-    """load_fleet, but a user mistake ends the process with its message and no traceback."""
+    """The donors of inventory_or_exit."""
+    return inventory_or_exit(donors_path, require_local_sources)[0]
+
+
+def inventory_or_exit(donors_path: Path | str | None = None, require_local_sources: bool = True
+                      ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """load_inventory (donors, edges), but a user mistake ends the process with its message and
+    no traceback."""
     try:
-        fleet = load_fleet(donors_path, require_local_sources=require_local_sources)
+        fleet, edges = load_inventory(donors_path, require_local_sources=require_local_sources)
     except FleetError as exc:
         print(f"inventory error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    for pki_dir in sorted({data["pki_dir"] for data in fleet.values()}):
+    for pki_dir in sorted({data["pki_dir"] for data in [*fleet.values(), *edges.values()]}):
         try:
             Pki(repo_path(pki_dir)).check()
         except PkiError as exc:
             print(f"pki error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
-    return fleet
+    return fleet, edges
 
 
-def pyinfra_groups(fleet: dict[str, dict], connect_kwargs: dict[str, Any] | None = None
+def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
+                   connect_kwargs: dict[str, Any] | None = None
                    ) -> dict[str, list[tuple[str, dict]]]:
-    """`donors` (every host) plus one group per card profile (e.g. `rtx4090`). Each host's SSH
-    sockets get pyinfra_snapshot.ssh_socket's options, through pyinfra's own
-    `ssh_paramiko_connect_kwargs` (`connect_kwargs` replaces them: the benchmark's stock run)."""
+    """`donors` (every GPU box) plus one group per card profile (e.g. `rtx4090`), and `edges`
+    (the front doors; deploy.py gives them the edge's tasks only). Each host's SSH sockets get
+    pyinfra_snapshot.ssh_socket's options, through pyinfra's own `ssh_paramiko_connect_kwargs`
+    (`connect_kwargs` replaces them: the benchmark's stock run)."""
     if connect_kwargs is None:
         connect_kwargs = ssh_socket.connect_kwargs()
-    groups: dict[str, list[tuple[str, dict]]] = {"donors": []}
+    groups: dict[str, list[tuple[str, dict]]] = {"donors": [], "edges": []}
     for name, fleet_data in fleet.items():
         data = {**fleet_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["donors"].append((name, data))
         groups.setdefault(data["card"]["name"], []).append((name, data))
+    for name, edge_data in (edges or {}).items():
+        data = {**edge_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
+        groups["edges"].append((name, data))
     return groups

@@ -1,5 +1,6 @@
-"""Operations about donor boxes: the card and toolkit checks, and the exllamav3 wheel's steps.
-The generic ones (packages, files, users, venvs, units) are in pyinfra_snapshot.operations."""
+"""Operations about donor boxes and edges: the card and toolkit checks, the exllamav3 wheel's steps,
+the edge Caddy's module check. The generic ones (packages, files, users, venvs, units) are in
+pyinfra_snapshot.operations."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pyinfra.api import (
 )
 
 from donorkit import wheel_cache
-from donorkit.facts import CudaStack
+from donorkit.facts import CaddyModules, CudaStack
 from donorkit.paths import repo_path
 from donorkit.wheel_cache import Exllamav3Stack
 from pyinfra_snapshot.operation import fail, operation
@@ -35,6 +36,9 @@ def host_matches_inventory(profile: dict, supported_distros: list[str], card: di
     if profile["distro"] not in supported_distros:
         fail(f"distro {profile['distro'] or 'unknown'} is not supported "
              f"(supported: {', '.join(supported_distros)})")
+    if card.get("engine") == "cpu":
+        host.noop(f"card profile '{card['name']}' is vLLM's CPU engine: no GPU to check")
+        return
     gpus = profile["gpus"]
     if gpus is None:
         if require_nvidia_smi:
@@ -248,3 +252,14 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
     yield FileDownloadCommand(stack.remote_wheel, f"{entry}/.{wheel}.download")
     yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/.{wheel}.sha256.download")
     yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key), {})
+
+
+@operation(modules=lambda op: need(CaddyModules))
+def caddy_has_module(module: str, why: str, how: str, modules: list[str]):
+    """Refuse the host when its Caddy lacks `module` (`modules`: what `caddy list-modules`
+    lists; a config using the module would not load): `why` names what needs it, `how` says how
+    to get such a Caddy. No command otherwise."""
+    if module not in modules:
+        fail(f"{why} needs the Caddy module {module}, which this box's caddy does not have "
+             f"({len(modules)} modules listed): {how}")
+    host.noop(f"caddy has {module}")

@@ -1,7 +1,16 @@
-"""The private CA on the operator's machine, and one server certificate per donor box.
+"""The private CAs on the operator's machine: server certificates for donor boxes, client
+certificates for edges.
 
-The edge verifies GPU boxes against this CA (Caddy's `tls internal` could not be verified by it).
-The CA key never leaves this machine; keys are written 0600.
+- `ca.crt`/`ca.key`: issues each donor's server certificate (and an edge's public one where
+  edge_public_tls is private_ca); the edge verifies donors against `ca.crt`.
+- `client-ca.crt`/`client-ca.key`: issues one client certificate per edge; every donor's Caddy
+  trusts this CA alone for client authentication. A CA of its own, not the server CA, because
+  donor boxes are donated machines: each holds a server key from `ca.key`, and with one CA the
+  donors' client-auth trust would rest on Caddy checking the extended key usage of every
+  certificate the server CA ever issued. With two, no certificate a donor holds can open
+  another donor, and either CA can be replaced without touching the other's certificates.
+The CA keys never leave this machine; every key is written 0600 here and goes only to its own
+host.
 """
 
 from __future__ import annotations
@@ -56,32 +65,41 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 class Pki:
-    """A CA in `directory` (created on first use) issuing server certificates."""
+    """The CAs in `directory` (created on first use) and the certificates they issue."""
 
     def __init__(self, directory: Path | str, renew_days: int = 30) -> None:
         self.directory = Path(directory)
         self.renew_days = renew_days
         self.ca_cert_path = self.directory / "ca.crt"
         self.ca_key_path = self.directory / "ca.key"
+        self.client_ca_cert_path = self.directory / "client-ca.crt"
+        self.client_ca_key_path = self.directory / "client-ca.key"
 
     def check(self) -> None:
-        """Raise PkiError when the CA pair is half there (run before any connection)."""
-        have_cert, have_key = self.ca_cert_path.exists(), self.ca_key_path.exists()
-        if have_cert != have_key:
-            present, absent = ((self.ca_cert_path, self.ca_key_path) if have_cert
-                               else (self.ca_key_path, self.ca_cert_path))
-            raise PkiError(f"{present} exists but {absent} does not: restore it (a new CA "
-                           "would break the edge's trust in every donor); nothing was written")
+        """Raise PkiError when a CA pair is half there (run before any connection)."""
+        for cert_path, key_path, breaks in (
+                (self.ca_cert_path, self.ca_key_path, "the edge's trust in every donor"),
+                (self.client_ca_cert_path, self.client_ca_key_path,
+                 "every donor's trust in the edges")):
+            have_cert, have_key = cert_path.exists(), key_path.exists()
+            if have_cert != have_key:
+                present, absent = ((cert_path, key_path) if have_cert else (key_path, cert_path))
+                raise PkiError(f"{present} exists but {absent} does not: restore it (a new CA "
+                               f"would break {breaks}); nothing was written")
 
-    def _ensure_ca(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    def _ensure_ca(self, client: bool = False) -> tuple[x509.Certificate,
+                                                        ec.EllipticCurvePrivateKey]:
         self.check()
-        if self.ca_cert_path.exists():
-            cert = x509.load_pem_x509_certificate(self.ca_cert_path.read_bytes())
-            key = serialization.load_pem_private_key(self.ca_key_path.read_bytes(), None)
+        cert_path, key_path = ((self.client_ca_cert_path, self.client_ca_key_path) if client
+                               else (self.ca_cert_path, self.ca_key_path))
+        if cert_path.exists():
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), None)
             return cert, key
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "uncloseai donor CA")])
+        title = "uncloseai edge client CA" if client else "uncloseai donor CA"
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, title)])
         cert = (x509.CertificateBuilder()
                 .subject_name(name).issuer_name(name).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
@@ -93,9 +111,58 @@ class Pki:
                 .sign(key, hashes.SHA256()))
         # Key first: a run that dies between the two leaves a key and no cert, which stops the
         # next run with the message above instead of minting a second CA.
-        _create_exclusive(self.ca_key_path, _key_pem(key), 0o600)
-        _create_exclusive(self.ca_cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        _create_exclusive(key_path, _key_pem(key), 0o600)
+        _create_exclusive(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
         return cert, key
+
+    def client_ca_pem(self) -> str:
+        """The client CA's certificate (created with its key on first use): donors trust it."""
+        self._ensure_ca(client=True)
+        return self.client_ca_cert_path.read_text()
+
+    def ca_pem(self) -> str:
+        self._ensure_ca()
+        return self.ca_cert_path.read_text()
+
+    def client_cert(self, edge: str) -> tuple[str, str]:
+        """(cert PEM, key PEM) of `edge`'s client certificate from the client CA, issued anew
+        only when the CA, the name or the expiry (pki_renew_days) demand, like server_cert."""
+        ca, ca_key = self._ensure_ca(client=True)
+        edge_dir = self.directory / "edges"
+        edge_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cert_path, key_path = edge_dir / f"{edge}.crt", edge_dir / f"{edge}.key"
+        if cert_path.exists() and key_path.exists():
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            try:
+                cert.verify_directly_issued_by(ca)
+                issued = True
+            except (InvalidSignature, ValueError, TypeError):
+                issued = False
+            names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+            if (issued and names == [edge[:64]]
+                    and cert.not_valid_after_utc - _now() > dt.timedelta(days=self.renew_days)):
+                return cert_path.read_text(), key_path.read_text()
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, edge[:64])]))
+                .issuer_name(ca.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(_now() - dt.timedelta(minutes=5))
+                .not_valid_after(_now() + dt.timedelta(days=SERVER_DAYS))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        _write_private(key_path, _key_pem(key))
+        _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        return cert_path.read_text(), key_path.read_text()
+
+    def client_pair(self, name: str) -> tuple[Path, Path]:
+        """Paths of `name`'s client certificate and key under edges/ (issued or kept as by
+        client_cert): for the operator's own checks through a donor's Caddy, which answers only
+        the client CA's certificates (`make accept`, the testbed, the benchmarks)."""
+        self.client_cert(name)
+        return self.directory / "edges" / f"{name}.crt", self.directory / "edges" / f"{name}.key"
 
     def _is_current(self, cert: x509.Certificate, ca: x509.Certificate,
                     hostnames: list[str]) -> bool:

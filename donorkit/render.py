@@ -98,8 +98,11 @@ def _environment() -> jinja2.Environment:
 
 
 def cuda_paths(data: dict) -> dict[str, str]:
-    """The CUDA part of a unit's environment; the venv's bin/ first (FlashInfer runs bare ninja)."""
+    """The CUDA part of a unit's environment; the venv's bin/ first (FlashInfer runs bare ninja).
+    A cpu engine has no toolkit: only the PATH."""
     cuda = data["cuda_home"]
+    if cuda is None:
+        return {"PATH": f"{data['venv_dir']}/bin:/usr/bin:/bin"}
     return {
         "CUDA_HOME": cuda,
         "PATH": f"{data['venv_dir']}/bin:{cuda}/bin:{cuda}/nvvm/bin:/usr/bin:/bin",
@@ -144,13 +147,54 @@ def render_unit(data: dict, model: dict) -> str:
 
 
 def tls_paths(data: dict) -> tuple[str, str]:
-    tls_dir, name = data["caddy_tls_dir"], data["donor_name"]
+    tls_dir, name = data["caddy_tls_dir"], data.get("donor_name") or data["edge_name"]
     return f"{tls_dir}/{name}.crt", f"{tls_dir}/{name}.key"
+
+
+def client_ca_path(data: dict) -> str:
+    """On a donor: the CA whose client certificates (the edges') its Caddy accepts."""
+    return f"{data['caddy_tls_dir']}/client-ca.crt"
+
+
+# Sent by an edge's health checks only (a client's copy is dropped by the edge): the donor's
+# Caddy fails these checks while its drain flag exists (the rolling rollout, donorkit/rollout.py).
+EDGE_HEALTH_HEADER = "X-Uncloseai-Edge-Health"
+
+
+def drain_flag(data: dict) -> str:
+    """On a donor: the file whose existence takes the box out of every edge's pool (the edges'
+    health checks get 503). The rolling rollout creates it; the deploy's last step removes it."""
+    return f"{data['install_root']}/state/drained"
 
 
 def render_caddyfile(data: dict) -> str:
     cert, key = tls_paths(data)
-    return _environment().get_template("Caddyfile.j2").render(data, tls_cert=cert, tls_key=key)
+    flag = Path(drain_flag(data))
+    return _environment().get_template("Caddyfile.j2").render(
+        data, tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
+        edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
+        drain_flag_name=flag.name)
+
+
+def edge_paths(data: dict) -> dict[str, str]:
+    """On an edge: our CA (verifies donors), its client pair, its public pair (private_ca)."""
+    tls_dir, name = data["caddy_tls_dir"], data["edge_name"]
+    cert, key = tls_paths(data)
+    return {"ca": f"{tls_dir}/ca.crt", "client_cert": f"{tls_dir}/{name}-client.crt",
+            "client_key": f"{tls_dir}/{name}-client.key", "public_cert": cert, "public_key": key}
+
+
+def health_body(checkpoint: str) -> str:
+    """A regular expression (Go's) matching the checkpoint literally, without backslashes (a
+    Caddyfile token keeps them, Go would read them): each `.` as `[.]`. The schema allows
+    letters, digits, `._-/` in a checkpoint id; `-` and `/` are literal in Go outside a class."""
+    return checkpoint.replace(".", "[.]")
+
+
+def render_edge_caddyfile(data: dict) -> str:
+    return _environment().get_template("Caddyfile-edge.j2").render(
+        data, paths=edge_paths(data), health_body=health_body,
+        edge_health_header=EDGE_HEALTH_HEADER)
 
 
 def render_caddy_drop_in(data: dict) -> str:
@@ -169,17 +213,40 @@ def pki_for(data: dict) -> Pki:
 
 
 def render_host(data: dict) -> list[RenderedFile]:
-    """Every file the deploy writes for this host (units, Caddyfile, TLS pair)."""
+    """Every file the deploy writes for this host (units, Caddyfile, TLS pair; an edge's own)."""
+    if data.get("role") == "edge":
+        return render_edge(data)
     files = [RenderedFile(f"{UNIT_DIR}/{m['unit']}", render_unit(data, m))
              for m in data["models"].values()]
-    cert_pem, key_pem = pki_for(data).server_cert(
+    pki = pki_for(data)
+    cert_pem, key_pem = pki.server_cert(
         data["donor_name"], [r["hostname"] for r in data["routes"]])
     cert, key = tls_paths(data)
-    # The TLS pair comes before the Caddyfile: validating the Caddyfile reads them.
+    # The TLS files come before the Caddyfile: validating the Caddyfile reads them.
     files.append(RenderedFile(cert, cert_pem))
     files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
+    files.append(RenderedFile(client_ca_path(data), pki.client_ca_pem()))
     files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))
     files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
+    return files
+
+
+def render_edge(data: dict) -> list[RenderedFile]:
+    """Every file the deploy writes to an edge: our CA, its client pair (from the client CA), its
+    public pair when edge_public_tls is private_ca, the admin socket drop-in, the Caddyfile.
+    Keys 0640 root:caddy."""
+    pki, paths = pki_for(data), edge_paths(data)
+    client_pem, client_key_pem = pki.client_cert(data["edge_name"])
+    files = [RenderedFile(paths["ca"], pki.ca_pem()),
+             RenderedFile(paths["client_cert"], client_pem),
+             RenderedFile(paths["client_key"], client_key_pem, mode="640", group="caddy")]
+    if data["public_tls"] == "private_ca":
+        cert_pem, key_pem = pki.server_cert(data["edge_name"],
+                                            [site["hostname"] for site in data["sites"]])
+        files.append(RenderedFile(paths["public_cert"], cert_pem))
+        files.append(RenderedFile(paths["public_key"], key_pem, mode="640", group="caddy"))
+    files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))
+    files.append(RenderedFile(CADDYFILE, render_edge_caddyfile(data)))
     return files
 
 

@@ -10,8 +10,17 @@ Each batch is one run of the real entry point, `pyinfra -y INVENTORY deploy.py -
 unit through its readiness gate (/v1/models on loopback lists the checkpoint), so a box that
 does not come back fails its run with the cause. The driver then checks that each box of the
 batch serves again from outside, through its GPU-side Caddy (https://BOX, the public hostname as
-SNI and Host, verified with the private CA), for every hostname it serves; that is where the
-edge's own health check seeing the box back will be added once edges exist (issue 15).
+SNI and Host, verified with the private CA, presenting the client certificate of an edge that
+serves the hostname: donors answer nobody else), for every hostname it serves.
+
+Where edges exist, no request through them is dropped: before a box's run the driver takes it
+out of every edge's pool that has it (it creates the box's drain flag: the donor's Caddy then
+answers the edges' health checks 503, and only those), waits until each such edge's health
+checker has logged the box failing and the edge has no request in flight to it (its admin API,
+/reverse_proxy/upstreams), then runs the deploy, whose last step removes the flag; the next box
+starts only once each edge's health checker has logged the box up again ("host is up", in the
+edge's journal; Caddy 2.6 and 2.11 do not report active health in /reverse_proxy/upstreams).
+The edges are reached over SSH, as pyinfra reaches them (the inventory's SSH data).
 
 Batches: N boxes at a time (`--batch`, or `rollout_batch_size` in the inventory data), in
 inventory order, never two boxes that serve the same public hostname in one batch. Before a batch
@@ -37,6 +46,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from donorkit.render import drain_flag
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_INVENTORY = "inventory/gpus.py"
 
@@ -53,10 +64,118 @@ class Box:
         return {r["hostname"]: models[r["model"]]["checkpoint"] for r in self.data["routes"]}
 
 
-def load_boxes(inventory: str) -> list[Box]:
-    """The inventory file's `donors` group, as pyinfra itself loads it (same file, same data)."""
+@dataclass
+class Edge:
+    name: str
+    data: dict
+
+    def pool_of(self, box: Box) -> list[str]:
+        """The upstream addresses (host:port, as the edge's Caddy logs them) under which this
+        edge proxies to `box`: one per hostname it serves that the box routes."""
+        return sorted({u["address"] for site in self.data["sites"] for u in site["upstreams"]
+                       if u["donor"] == box.name})
+
+    @property
+    def health_wait(self) -> float:
+        """Seconds in which every active health checker of the edge has checked once."""
+        proxy = self.data["edge_proxy"]
+        return seconds(proxy["health_interval"]) + seconds(proxy["health_timeout"])
+
+
+def seconds(duration: str) -> float:
+    """A Caddy duration of the inventory (`2s`, `250ms`, `1m`) in seconds."""
+    for unit, factor in (("ms", 0.001), ("s", 1), ("m", 60), ("h", 3600)):
+        if duration.endswith(unit) and duration[:-len(unit)].replace(".", "", 1).isdigit():
+            return float(duration[:-len(unit)]) * factor
+    raise ValueError(f"not a duration: {duration!r}")
+
+
+def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:
+    """The inventory file's `donors` and `edges` groups, as pyinfra itself loads them (same
+    file, same data)."""
     groups = runpy.run_path(str(REPO_ROOT / inventory))
-    return [Box(name, data) for name, data in groups["donors"]]
+    return ([Box(name, data) for name, data in groups["donors"]],
+            [Edge(name, data) for name, data in groups.get("edges", [])])
+
+
+def load_boxes(inventory: str) -> list[Box]:
+    return load_fleet(inventory)[0]
+
+
+# --- the edge's view of a box -----------------------------------------------------------------
+HEALTH_LOGGER = "http.handlers.reverse_proxy.health_checker.active"
+
+
+def health_events(journal: str, address: str) -> list[tuple[float, bool]]:
+    """(time, up) of the edge's active health checker's lines about `address`, from Caddy's JSON
+    log (`journalctl -o cat`). Caddy 2.6.2 and 2.11.7 alike log "host is up" when a failing
+    upstream passes again, and one line per failed check ("unexpected status code", "HTTP
+    request failed", ...) at every interval while it fails; nothing while it stays healthy."""
+    events = []
+    for line in journal.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("logger") == HEALTH_LOGGER and entry.get("host") == address:
+            events.append((float(entry["ts"]), entry.get("msg") == "host is up"))
+    return events
+
+
+def edge_sees(events: list[tuple[float, bool]], since: float, now: float,
+              settle: float) -> str | None:
+    """"down" once a check failed after `since`; "up" once the last line after `since` is "host
+    is up" and `settle` seconds (every checker's turn) have passed since it with no failure;
+    None while neither can be said yet."""
+    after = [(at, up) for at, up in events if at > since]
+    if not after:
+        return None
+    at, up = after[-1]
+    if not up:
+        return "down"
+    return "up" if now - at >= settle else None
+
+
+def upstream_requests(upstreams_json: str, address: str) -> int | None:
+    """Requests the edge has in flight to `address` (its admin API's /reverse_proxy/upstreams,
+    the same shape on 2.6 and 2.11); None when the address is not in its pools."""
+    for upstream in json.loads(upstreams_json):
+        if upstream.get("address") == address:
+            return int(upstream.get("num_requests", 0))
+    return None
+
+
+class Remote:
+    """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
+    unknown or changed host key is refused; sudo for a user other than root)."""
+
+    def __init__(self, data: dict) -> None:
+        import paramiko
+
+        self._client = paramiko.SSHClient()
+        known = data.get("ssh_known_hosts_file")
+        if known:
+            self._client.load_host_keys(known)
+        else:
+            self._client.load_system_host_keys()
+        self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
+                             username=data["ssh_user"], key_filename=data.get("ssh_key"),
+                             timeout=30, banner_timeout=30, auth_timeout=30)
+        self._sudo = bool(data.get("_sudo"))
+
+    def run(self, command: str) -> tuple[int, str]:
+        if self._sudo:
+            command = f"sudo -n sh -c {shlex.quote(command)}"
+        _, stdout, stderr = self._client.exec_command(command, timeout=60)
+        out, err = stdout.read().decode(), stderr.read().decode()
+        rc = stdout.channel.recv_exit_status()
+        return rc, out if rc == 0 else (out + err).strip()
+
+    def close(self) -> None:
+        self._client.close()
 
 
 def plan_batches(boxes: list[Box], size: int) -> list[list[Box]]:
@@ -72,7 +191,7 @@ def plan_batches(boxes: list[Box], size: int) -> list[list[Box]]:
     return batches
 
 
-class _PinnedHTTPS(http.client.HTTPSConnection):
+class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to the box's address, with the public hostname as SNI and Host (as the edge does)."""
 
     def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
@@ -85,11 +204,21 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
 
 
-def gpu_side_check(box: Box, hostname: str, checkpoint: str, timeout: float = 5) -> str | None:
-    """None when the box's Caddy lists `checkpoint` on /v1/models for `hostname`; else why."""
+def client_pair(box: Box, edge: str) -> tuple[str, str]:
+    """The edge's client certificate and key on this (the operator's) machine: what the edge
+    itself presents to the donor (tasks/edge_caddy.py uploads the same pair)."""
+    edges_dir = REPO_ROOT / box.data["pki_dir"] / "edges"
+    return str(edges_dir / f"{edge}.crt"), str(edges_dir / f"{edge}.key")
+
+
+def gpu_side_check(box: Box, hostname: str, checkpoint: str, client: tuple[str, str],
+                   timeout: float = 5) -> str | None:
+    """None when the box's Caddy lists `checkpoint` on /v1/models for `hostname`, asked as an
+    edge asks it (its client certificate `client`); else why."""
     ca = REPO_ROOT / box.data["pki_dir"] / "ca.crt"
     context = ssl.create_default_context(cafile=str(ca))
-    conn = _PinnedHTTPS(box.data["ssh_hostname"], int(box.data["caddy_https_port"]), hostname,
+    context.load_cert_chain(*client)
+    conn = PinnedHTTPS(box.data["ssh_hostname"], int(box.data["caddy_https_port"]), hostname,
                         context, timeout)
     try:
         conn.request("GET", "/v1/models")
@@ -105,23 +234,131 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str, timeout: float = 5)
         conn.close()
 
 
-def in_service(box: Box) -> str | None:
-    """None when every hostname of the box is served through it; else the first reason not.
-    (An edge's health check for the box is added here when the inventory has edges.)"""
-    for hostname, checkpoint in box.routes.items():
-        why = gpu_side_check(box, hostname, checkpoint)
-        if why:
-            return why
-    return None
+class Fleet:
+    """The boxes, the edges, and SSH connections to them opened when first needed."""
 
+    def __init__(self, boxes: list[Box], edges: list[Edge]) -> None:
+        self.boxes, self.edges = boxes, edges
+        self._remotes: dict[str, Remote] = {}
 
-def wait_in_service(box: Box, timeout: float) -> str | None:
-    deadline = time.monotonic() + timeout
-    while True:
-        why = in_service(box)
-        if why is None or time.monotonic() > deadline:
-            return why
-        time.sleep(1)
+    def remote(self, host: Box | Edge) -> Remote:
+        if host.name not in self._remotes:
+            self._remotes[host.name] = Remote(host.data)
+        return self._remotes[host.name]
+
+    def close(self) -> None:
+        for remote in self._remotes.values():
+            remote.close()
+
+    def edges_of(self, box: Box) -> list[tuple[Edge, str]]:
+        """(edge, upstream address) for every edge pool the box is in."""
+        return [(edge, address) for edge in self.edges for address in edge.pool_of(box)]
+
+    def edge_clock(self, edge: Edge) -> float:
+        rc, out = self.remote(edge).run("date +%s.%N")
+        if rc != 0:
+            raise RuntimeError(f"{edge.name}: date: {out}")
+        return float(out)
+
+    def edge_events(self, edge: Edge, address: str, since: float) -> list[tuple[float, bool]]:
+        rc, out = self.remote(edge).run(
+            f"journalctl -u caddy -o cat --no-pager --since=@{int(since) - 1}")
+        if rc != 0:
+            raise RuntimeError(f"{edge.name}: journalctl: {out}")
+        return health_events(out, address)
+
+    def in_flight(self, edge: Edge, address: str) -> int | None:
+        socket_path = shlex.quote(edge.data["caddy_admin_socket"])
+        rc, out = self.remote(edge).run(
+            f"curl -sS --unix-socket {socket_path} -H 'Host: ' "
+            "http://localhost/reverse_proxy/upstreams")
+        if rc != 0:
+            raise RuntimeError(f"{edge.name}: admin API: {out}")
+        return upstream_requests(out, address)
+
+    def in_service(self, box: Box) -> str | None:
+        """None when every hostname of the box is served through its Caddy, asked as an edge
+        of that hostname asks (with its client certificate), and no edge's health checker is
+        failing it now; else the first reason not. A hostname no edge serves is checked on the
+        box's loopback (over SSH): without an edge's certificate its Caddy answers nobody."""
+        for hostname, checkpoint in box.routes.items():
+            edges = [e for e in self.edges
+                     if any(s["hostname"] == hostname for s in e.data["sites"])]
+            if edges:
+                why = gpu_side_check(box, hostname, checkpoint, client_pair(box, edges[0].name))
+            else:
+                why = self.loopback_check(box, hostname, checkpoint)
+            if why:
+                return why
+        for edge, address in self.edges_of(box):
+            now = self.edge_clock(edge)
+            if edge_sees(self.edge_events(edge, address, now - edge.health_wait), now
+                         - edge.health_wait, now, 0) == "down":
+                return f"{edge.name}'s health check fails {address}"
+        return None
+
+    def loopback_check(self, box: Box, hostname: str, checkpoint: str) -> str | None:
+        model = next(m for m in box.data["models"].values() if m["checkpoint"] == checkpoint)
+        rc, out = self.remote(box).run(
+            f"curl -sS -m 5 http://127.0.0.1:{int(model['port'])}/v1/models")
+        if rc != 0:
+            return f"{hostname}: loopback: {out}"
+        try:
+            ids = [m.get("id") for m in json.loads(out).get("data", [])]
+        except (ValueError, AttributeError):
+            return f"{hostname}: loopback: not JSON: {out[:200]}"
+        return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
+
+    def wait_in_service(self, box: Box, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            why = self.in_service(box)
+            if why is None or time.monotonic() > deadline:
+                return why
+            time.sleep(1)
+
+    def take_out(self, box: Box, timeout: float) -> tuple[dict[str, float], str | None]:
+        """Out of every edge pool it is in, with nothing in flight to it: ({edge: its clock
+        when the flag was made}, None), or why not within `timeout`."""
+        pooled = self.edges_of(box)
+        if not pooled:
+            return {}, None
+        since = {edge.name: self.edge_clock(edge) for edge, _ in pooled}
+        flag = shlex.quote(drain_flag(box.data))
+        rc, out = self.remote(box).run(f"mkdir -p \"$(dirname {flag})\" && touch {flag}")
+        if rc != 0:
+            return since, f"creating its drain flag: {out}"
+        deadline = time.monotonic() + timeout
+        for edge, address in pooled:
+            while edge_sees(self.edge_events(edge, address, since[edge.name]),
+                            since[edge.name], 0, 0) != "down":
+                if time.monotonic() > deadline:
+                    return since, f"{edge.name} logged no failed health check for {address}"
+                time.sleep(0.5)
+        # Every checker of each edge has had its turn; then no request may be on its way.
+        time.sleep(max(edge.health_wait for edge, _ in pooled))
+        for edge, address in pooled:
+            while self.in_flight(edge, address):
+                if time.monotonic() > deadline:
+                    return since, f"{edge.name} still has requests in flight to {address}"
+                time.sleep(0.5)
+        return since, None
+
+    def wait_back(self, box: Box, since: dict[str, float], timeout: float) -> str | None:
+        """Each edge's health checker has logged the box up after it was taken out, and no
+        failure since for one health interval + timeout."""
+        deadline = time.monotonic() + timeout
+        for edge, address in self.edges_of(box):
+            while True:
+                now = self.edge_clock(edge)
+                seen = edge_sees(self.edge_events(edge, address, since[edge.name]),
+                                 since[edge.name], now, edge.health_wait)
+                if seen == "up":
+                    break
+                if time.monotonic() > deadline:
+                    return f"{edge.name}'s health check does not see {address} up ({seen})"
+                time.sleep(1)
+        return None
 
 
 def resume_command(args, box: Box) -> str:
@@ -146,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pyinfra_args", nargs="*", help="after --: passed to pyinfra")
     args = parser.parse_args(argv)
 
-    boxes = load_boxes(args.inventory)
+    boxes, edges = load_fleet(args.inventory)
     if not boxes:
         print("rollout: the inventory has no donors", file=sys.stderr)
         return 2
@@ -173,10 +410,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rollout: {len(order)} boxes, {size} at a time: "
           + " | ".join(", ".join(b.name for b in batch) for batch in batches), flush=True)
 
+    fleet = Fleet(boxes, edges)
+    try:
+        return run_batches(args, fleet, batches, serving, timeout)
+    except Exception as exc:  # SSH to a box or an edge: paramiko's errors, OSError, ours
+        at = getattr(args, "current", None)
+        print(f"\nrollout: STOPPED: {type(exc).__name__}: {exc}"
+              + (f"\n  resume with: {resume_command(args, at)}" if at else ""),
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        fleet.close()
+
+
+def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str, list[Box]],
+                timeout: float) -> int:
     done: list[tuple[str, float]] = []
     began = time.monotonic()
     for number, batch in enumerate(batches, 1):
         names = [b.name for b in batch]
+        args.current = batch[0]
         # A hostname is never left with no box: its other boxes must be serving now.
         for box in batch:
             for hostname in box.routes:
@@ -185,13 +438,23 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"rollout: {hostname} is served by {box.name} alone: it is out of "
                           "service while that box restarts", flush=True)
                 for other in others:
-                    why = in_service(other)
+                    why = fleet.in_service(other)
                     if why:
                         return report(args, done, batch, f"{other.name} does not serve ({why}); "
                                       f"deploying {box.name} now would leave {hostname} with no "
                                       "box", batches[number - 1:], began)
         print(f"rollout: batch {number}/{len(batches)}: {', '.join(names)}", flush=True)
         started = time.monotonic()
+        taken_out: dict[str, dict[str, float]] = {}
+        for box in batch:
+            taken_out[box.name], why = fleet.take_out(box, timeout)
+            if why:
+                return report(args, done, [box], f"not taken out of the edges' pools: {why} "
+                              "(it stays out until a run of it succeeds)", batches[number - 1:],
+                              began)
+            if taken_out[box.name]:
+                print(f"rollout: {box.name} out of the pools of "
+                      f"{', '.join(taken_out[box.name])}, nothing in flight to it", flush=True)
         command = [str(Path(sys.executable).parent / "pyinfra"), "-y", args.inventory,
                    "deploy.py", *(f"--limit={n}" for n in names), *args.pyinfra_args]
         rc = subprocess.run(command, cwd=REPO_ROOT).returncode
@@ -199,10 +462,17 @@ def main(argv: list[str] | None = None) -> int:
             return report(args, done, batch, f"pyinfra exited {rc} (its output above names the "
                           "host and the step)", batches[number - 1:], began)
         for box in batch:
-            why = wait_in_service(box, timeout)
+            why = fleet.wait_in_service(box, timeout)
             if why:
                 return report(args, done, [box], f"not serving through its Caddy after "
                               f"{timeout:g} s: {why}", batches[number - 1:], began)
+            why = fleet.wait_back(box, taken_out[box.name], timeout)
+            if why:
+                return report(args, done, [box], f"not back in the edges' pools after "
+                              f"{timeout:g} s: {why}", batches[number - 1:], began)
+            if taken_out[box.name]:
+                print(f"rollout: {box.name} back in the pools of "
+                      f"{', '.join(taken_out[box.name])} (their health checks)", flush=True)
         took = time.monotonic() - started
         done += [(n, took) for n in names]
         print(f"rollout: batch {number} in service after {took:.1f} s", flush=True)

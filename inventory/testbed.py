@@ -10,6 +10,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from donorkit.inventory import fleet_or_exit, pyinfra_groups  # noqa: E402
+from donorkit.inventory import inventory_or_exit, pyinfra_groups  # noqa: E402
 
-globals().update(pyinfra_groups(fleet_or_exit(REPO_ROOT / "tests/testbed/donors.yml")))
+globals().update(pyinfra_groups(*inventory_or_exit(REPO_ROOT / "tests/testbed/donors.yml")))

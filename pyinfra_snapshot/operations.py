@@ -172,6 +172,16 @@ def owned_file(path: str, user: str, group: str, mode: str, found: dict):
            f"chown {_owner(user, group)} {q(path)} && chmod {q(mode)} {q(path)}")
 
 
+@operation(found=lambda op: need(PathStates, paths=[op.path]))
+def absent_path(path: str, found: dict):
+    """No file (or link) at `path`; read through the snapshot, so a converged run adds no
+    remote command (stock files.file(present=False) reads its own File fact)."""
+    if not found.get(path):
+        host.noop(f"{path} absent")
+        return
+    yield f"rm -f -- {q(path)}"
+
+
 @operation(found=lambda op: need(PathStates, paths=[f"{op.path}/bin/activate"]))
 def python_venv(path: str, python: str, found: dict):
     """A venv made by `python -m venv` (again, in place, when bin/activate is missing: venv

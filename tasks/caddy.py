@@ -4,8 +4,9 @@ loopback port. A new config is validated (as the caddy user) before it replaces 
 from pyinfra import host
 from pyinfra.operations import files
 
-from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_host
+from donorkit.render import CADDY_DROP_IN, CADDYFILE, drain_flag, render_host
 from pyinfra_snapshot.operations import (
+    absent_path,
     apt_install,
     config_file,
     directories,
@@ -58,3 +59,7 @@ reloaded_service(name="Restart Caddy on its new unit settings", unit="caddy",
                  pending_marker=restart_marker, restart=True)
 reloaded_service(name="Run Caddy with the current config", unit="caddy",
                  pending_marker=reload_marker)
+# Last: every unit of the box passed its readiness gate, so it may take traffic again. The
+# rolling rollout (donorkit/rollout.py) creates this flag to take the box out of the edges' pools
+# before its run; any run that gets here puts it back (an interrupted rollout converges).
+absent_path(name="Put the box back in the edges' pools", path=drain_flag(host.data.dict()))

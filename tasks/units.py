@@ -14,12 +14,13 @@ from pyinfra_snapshot.operations import config_file, retired_unit, service_runni
 
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
-shared_dependencies = [
-    f"{site_packages}/*.dist-info",
-    f"{host.data.vllm_exl3_plugin_dir}/.uncloseai-tree",
-    f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
-    f"{install_root}/state/exllamav3.stack",
-]
+shared_dependencies = [f"{site_packages}/*.dist-info"]
+if host.data.card["engine"] == "cuda":  # a cpu engine has no plugin and no exllamav3
+    shared_dependencies += [
+        f"{host.data.vllm_exl3_plugin_dir}/.uncloseai-tree",
+        f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
+        f"{install_root}/state/exllamav3.stack",
+    ]
 
 gate = f"{install_root}/bin/wait_ready.py"
 config_file(name="Install the readiness gate", content=repo_path(

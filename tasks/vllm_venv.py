@@ -16,8 +16,9 @@ venv_packages(
     install=host.data.venv_install_specs,
     install_args=host.data.venv_index_args,
 )
-torch_matches_nvcc(
-    name="Check torch's CUDA major against nvcc's",
-    cuda_home=host.data.cuda_home,
-    venv_dir=venv,
-)
+if host.data.card["engine"] == "cuda":
+    torch_matches_nvcc(
+        name="Check torch's CUDA major against nvcc's",
+        cuda_home=host.data.cuda_home,
+        venv_dir=venv,
+    )

@@ -1,21 +1,24 @@
 """Watching a rollout from outside (the testbed's rollout case and bench/rollout.py):
 
-- `RequestLoop`: a bounded loop of GET /v1/models through each box's GPU-side Caddy (the public
-  hostname as SNI and Host, verified with the testbed's CA), counting per box what was sent and
-  what failed, and the rounds in which every box failed (what a client behind an edge that fails
-  over between the boxes would have seen fail).
+- `RequestLoop`: a bounded loop of GET /v1/models, either through an edge as a public client
+  (`edge=ADDRESS`: the public hostname as SNI and Host, no client certificate; what users see),
+  or through each box's GPU-side Caddy as an edge asks (`client=(cert, key)` from the client CA),
+  counting per box (or for the edge) what was sent and what failed, and the rounds in which every
+  box failed.
 - `outages`: each box's out-of-service windows from its own journal: systemd's "Stopping" line
   for the vLLM unit to the stand-in's "loaded after" line (the unit stop to /v1/models ready).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 
-from donorkit.rollout import Box, gpu_side_check
+from donorkit.rollout import Box, PinnedHTTPS, gpu_side_check
 
 from .hosts import Host, ssh
 
@@ -25,6 +28,10 @@ class RequestLoop:
     boxes: list[Box]
     hostname: str
     checkpoint: str
+    client: tuple[str, str] | None = None
+    edge: str | None = None
+    cafile: str | None = None
+    tag: str = ""  # through the edge: an X-Loop header TAG-N on request N (the donors log it)
     interval: float = 0.25
     max_seconds: float = 900
     sent: dict[str, int] = field(default_factory=dict)
@@ -49,17 +56,42 @@ class RequestLoop:
         deadline = time.monotonic() + self.max_seconds  # bounded in time, so in count too
         while not self._stop.is_set() and time.monotonic() < deadline:
             ok = []
-            for box in self.boxes:
-                why = gpu_side_check(box, self.hostname, self.checkpoint, timeout=3)
-                self.sent[box.name] = self.sent.get(box.name, 0) + 1
+            if self.edge:
+                targets = [("edge", lambda: self._via_edge())]
+            else:
+                targets = [(box.name, lambda box=box: gpu_side_check(
+                    box, self.hostname, self.checkpoint, self.client, timeout=3))
+                    for box in self.boxes]
+            for name, check in targets:
+                why = check()
+                self.sent[name] = self.sent.get(name, 0) + 1
                 if why:
-                    self.failed[box.name] = self.failed.get(box.name, 0) + 1
+                    self.failed[name] = self.failed.get(name, 0) + 1
                     if len(self.errors) < 20:
-                        self.errors.append(f"{box.name}: {why}")
+                        self.errors.append(f"{name} at {time.time():.2f}: {why}")
                 ok.append(why is None)
             self.rounds += 1
             self.all_failed_rounds += not any(ok)
             self._stop.wait(self.interval)
+
+    def _via_edge(self) -> str | None:
+        """A public client's GET through the edge (one connection per request, as the request
+        loops of the edge cases); only ever a GET, never re-sent."""
+        context = ssl.create_default_context(cafile=self.cafile)
+        conn = PinnedHTTPS(self.edge, 443, self.hostname, context, 30)
+        try:
+            headers = {"X-Loop": f"{self.tag}-{self.rounds}"} if self.tag else {}
+            conn.request("GET", "/v1/models", headers=headers)
+            response = conn.getresponse()
+            body = response.read()
+            if response.status != 200:
+                return f"HTTP {response.status}"
+            ids = [m.get("id") for m in json.loads(body).get("data", [])]
+            return None if self.checkpoint in ids else f"{self.checkpoint} not listed ({ids})"
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
 
     def summary(self) -> str:
         per_box = ", ".join(f"{n} {self.failed.get(n, 0)}/{self.sent[n]} failed"

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import tiny_model
 from .common import REPO_ROOT, STANDINS, WORK, find_pids, log, run
 from .hub_standin import generate_checkpoint
 from .network import GATEWAY
@@ -21,8 +22,9 @@ WWW = WORK / "www"
 PORT = 8089
 CDN_PORT = 8090
 URL = f"http://{GATEWAY}:{PORT}"
-# The stand-in hub's repositories (<org>/<name>/ folders) and the generated checkpoint the
-# testbed's qwen model is fetched as (its fixed revision: tests/testbed/donors.yml).
+# The stand-in hub's repositories (<org>/<name>/ folders): the generated checkpoint the testbed's
+# qwen model is fetched as (its fixed revision: tests/testbed/donors.yml), and the tiny real
+# model the real-engine host serves (tiny_model.MODEL_ID; its revision: donors-cpu.yml).
 HUB = WORK / "hub"
 HUB_CHECKPOINT = "turboderp/Qwen3.8-27B-exl3"
 EXLLAMAV3_TAG = "v1.5.1"
@@ -60,6 +62,7 @@ def start_http(www: Path = WWW, hub: Path = HUB) -> int:
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     generate_checkpoint(hub / HUB_CHECKPOINT)
+    tiny_model.write(hub / tiny_model.MODEL_ID)
     out = open(logs / "http.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "tests.testbed.hub_standin", "--bind", GATEWAY,
                              "--port", str(PORT), "--cdn-port", str(CDN_PORT),

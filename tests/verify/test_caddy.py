@@ -159,3 +159,13 @@ def test_tls_certificate(host: Host, data: dict) -> None:
     if not ca_path.is_file():
         pytest.skip(f"certificate names are right; no {ca_path} here to check who issued it")
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_path.read_bytes()))
+
+
+def test_box_is_not_drained_from_the_edges(host: Host, data: dict) -> None:
+    """The rolling rollout's drain flag is gone (every successful deploy removes it): while it
+    exists the box's Caddy fails every edge's health check, so no edge sends it traffic (a
+    rollout that stopped at this box leaves it; `make rollout FROM=<box>` or a deploy of it
+    clears it)."""
+    flag = render.drain_flag(data)
+    assert not host.file(flag).exists, (
+        f"{flag} exists: the edges' health checks get 503 here, the box takes no traffic")

@@ -1,15 +1,14 @@
-"""Serving through Caddy on the box, once the model is ready (GET /health == 200)."""
+"""Serving through the box's Caddy, once the model is ready (GET /health == 200). The donor's
+Caddy answers only a client with an edge's certificate, and an edge's key never goes to a donor:
+the request is made from this machine with an edge's client pair from pki_dir (mtls.py)."""
 
 from __future__ import annotations
 
 import json
-import shlex
-from pathlib import Path
 
+import mtls
 import pytest
 from testinfra.host import Host
-
-from donorkit.fleet import REPO_ROOT
 
 
 def _ready(host: Host, model: dict) -> None:
@@ -20,25 +19,19 @@ def _ready(host: Host, model: dict) -> None:
         pytest.skip(f"{model['name']} is not serving: GET {url} answered {code or 'nothing'}")
 
 
-def _ca_pem(data: dict) -> str | None:
-    ca = REPO_ROOT / data["pki_dir"] / "ca.crt"
-    return ca.read_text() if Path(ca).is_file() else None
-
-
 def _through_caddy(host: Host, data: dict, hostname: str, path: str) -> tuple[int, str]:
-    """GET https://hostname:port/path on the box via its Caddy, verified against our CA."""
-    port = data["caddy_https_port"]
-    ca = _ca_pem(data)
-    verify = "-k"  # no CA on this machine: the certificate is checked by test_tls_certificate
-    if ca:
-        verify = '--cacert "$ca"'
-    script = (f"ca=$(mktemp); trap 'rm -f \"$ca\"' EXIT; printf '%s' {shlex.quote(ca or '')} "
-              f"> \"$ca\"; curl -sS -m 60 -w '\\n%{{http_code}}' {verify} "
-              f"--resolve {hostname}:{port}:127.0.0.1 https://{hostname}:{port}{path}")
-    result = host.run("/bin/sh -c %s", script)
-    assert result.rc == 0, f"curl {path} via Caddy failed: {result.stderr.strip()}"
-    body, _, code = result.stdout.rpartition("\n")
-    return int(code), body
+    """GET https://hostname:port/path at the box's address via its Caddy, verified against our
+    CA, with an edge's client certificate."""
+    client = mtls.edge_client_pair(data)
+    if client is None:
+        pytest.skip("no edge client certificate in this machine's pki_dir: the donor's Caddy "
+                    "answers edges only (render or deploy an edge first)")
+    try:
+        return mtls.get(data["ssh_hostname"], data["caddy_https_port"], hostname, path,
+                        mtls.ca_file(data), client)
+    except OSError as exc:
+        pytest.fail(f"GET {path} via {hostname} at {data['ssh_hostname']}: {exc}",
+                    pytrace=False)
 
 
 def test_models_through_caddy(host: Host, data: dict, route: str, route_model: dict) -> None:

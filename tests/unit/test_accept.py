@@ -1,0 +1,312 @@
+"""`make accept` without a donor: comparison with a baseline, the failure messages, tool-call
+checking, the record's structure, and the client's TLS path (server name, Host, our CA) against
+a real local HTTPS server with a certificate from our PKI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from donorkit import accept as a
+from donorkit.fleet import REPO_ROOT, load_inventory
+from donorkit.pki import Pki
+
+BASE = a.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
+
+
+def test_compare_within_tolerance_passes_and_worse_fails() -> None:
+    ok = a.compare({"prefill_tok_s": 1500, "concurrent_wall_s": 34.0}, BASE, 0.15)
+    assert ok["prefill_tok_s"]["ok"] and ok["concurrent_wall_s"]["ok"]
+    assert ok["prefill_tok_s"]["limit"] == pytest.approx(1653 * 0.85)
+    assert ok["concurrent_wall_s"]["limit"] == pytest.approx(30.5 * 1.15)
+    bad = a.compare({"prefill_tok_s": 1300, "concurrent_wall_s": 36.0}, BASE, 0.15)
+    assert not bad["prefill_tok_s"]["ok"] and not bad["concurrent_wall_s"]["ok"]
+    # Better than the baseline always passes; a figure without a baseline is not compared.
+    best = a.compare({"prefill_tok_s": 9000, "concurrent_wall_s": 1.0, "ttft_s": 99}, BASE, 0)
+    assert set(best) == {"prefill_tok_s", "concurrent_wall_s"}
+    assert all(c["ok"] for c in best.values())
+
+
+def test_missing_figure_fails_its_comparison() -> None:
+    assert not a.compare({}, BASE, 0.15)["prefill_tok_s"]["ok"]
+
+
+def _record(figures: dict, checks: dict | None = None, compare: bool = True,
+            required: bool = True) -> dict:
+    acc = a.CardAcceptance(baseline=BASE, compare_figures=compare, tool_calls_required=required)
+    res = {"figures": figures, "details": {}, "figures_compared": compare, "elapsed_s": 1.0,
+           "checks": checks or {"models": {"ok": True, "required": True}},
+           "comparison": a.compare(figures, acc.baseline, 0.15) if compare else {}}
+    return {"donor": "qwen-3090", "card": "rtx3090", "results": {"qwen": res}}
+
+
+def test_failures_name_the_figure_and_the_check() -> None:
+    rec = _record({"prefill_tok_s": 1200.0, "concurrent_wall_s": 20.0},
+                  {"models": {"ok": False, "required": True},
+                   "tool_call_fidelity": {"ok": False, "required": True}})
+    problems = a.failures(rec)
+    assert any("prefill_tok_s 1.2e+03, needs >= 1.41e+03" in p for p in problems), problems
+    assert "qwen-3090 qwen: check models failed" in problems
+    assert "qwen-3090 qwen: check tool_call_fidelity failed" in problems
+    assert not any("concurrent_wall_s" in p for p in problems)
+
+
+def test_not_compared_and_not_required_do_not_fail() -> None:
+    rec = _record({"prefill_tok_s": 1.0}, {"tool_call_fidelity": {"ok": False,
+                                                                   "required": False}},
+                  compare=False)
+    assert a.failures(rec) == []
+
+
+def test_error_fails() -> None:
+    assert a.failures({"donor": "x", "error": "ConnectError: refused"}) == \
+        ["x: ConnectError: refused"]
+    rec = {"donor": "x", "results": {"qwen": {"error": "APITimeoutError: timed out"}}}
+    assert a.failures(rec) == ["x qwen: APITimeoutError: timed out"]
+
+
+CASE = a.TOOL_CASES[1]  # convert_currency(amount=250, from_currency=USD, to_currency=EUR)
+
+
+@pytest.mark.parametrize(("calls", "problem"), [
+    ([("convert_currency", '{"amount": 250.0, "from_currency": "usd", "to_currency": "EUR."}')],
+     None),
+    ([], "expected 1 tool call, got 0"),
+    ([("convert_currency", "{}")] * 2, "expected 1 tool call, got 2"),
+    ([("get_weather", '{"city": "Paris"}')], "called 'get_weather', expected 'convert_currency'"),
+    ([("convert_currency", '{"amount": 250,')], "arguments are not JSON"),
+    ([("convert_currency", "[250]")], "arguments are not an object"),
+    ([("convert_currency", '{"amount": 25, "from_currency": "USD", "to_currency": "EUR"}')],
+     "argument 'amount' = 25, expected 250"),
+    ([("convert_currency", '{"amount": 250, "to_currency": "EUR"}')],
+     "argument 'from_currency' missing"),
+    ([("convert_currency", '{"amount": 250, "from_currency": "USD", "to_currency": "EUR", '
+                           '"fee": 1}')], "undeclared arguments ['fee']"),
+    ([("convert_currency", '{"amount": true, "from_currency": "USD", "to_currency": "EUR"}')],
+     "argument 'amount' = True, expected 250"),
+])
+def test_tool_call_check(calls: list, problem: str | None) -> None:
+    got = a.check_tool_call(CASE, calls)
+    assert (got is None) if problem is None else (got is not None and got.startswith(problem)), got
+
+
+def test_tool_cases_cover_distinct_declared_functions() -> None:
+    declared = {t["function"]["name"]: t["function"]["parameters"] for t in a.TOOLS}
+    assert len(a.TOOL_CASES) == 6
+    assert len({c.function for c in a.TOOL_CASES}) == 6
+    for case in a.TOOL_CASES:
+        params = declared[case.function]
+        assert set(params["required"]) <= set(case.arguments) <= set(params["properties"])
+        # The forced Hermes text parses back to exactly the expected call.
+        text = a.forced_call_text(case)
+        body = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+        assert a.check_tool_call(case, [(body["name"], json.dumps(body["arguments"]))]) is None
+
+
+def _target(**kw) -> a.Target:
+    workload = a.Workload(decode_max_tokens=8, prefill_prompt_tokens=100, concurrent_prompts=2,
+                          concurrent_prompt_tokens=50, concurrent_max_tokens=4,
+                          request_timeout_s=10)
+    base = dict(donor="tb-cpu", card="cpu-testbed", model="qwen", checkpoint="o/m",
+                max_model_len=4096, hostname="qwen.example.test", base_url="http://x",
+                ca_file=None, workload=workload, card_acceptance=a.CardAcceptance(),
+                tolerance=0.15)
+    return a.Target(**{**base, **kw})
+
+
+def _measured() -> dict:
+    return {"figures": {"ttft_s": 0.1, "decode_tok_s": 90.0, "prefill_tok_s": 3000.0,
+                        "concurrent_wall_s": 1.2, "tool_calls_ok": 0},
+            "checks": {"models": {"ok": True, "required": True},
+                       "tool_call_fidelity": {"ok": False, "required": False, "passed": 0,
+                                              "of": 6, "cases": []}},
+            "details": {"version": {"version": "0.32.0"}}}
+
+
+def test_record_structure_and_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_measure(target, progress):  # the engine is tested in the testbed
+        progress("measuring")
+        return _measured()
+
+    monkeypatch.setattr(a, "measure", fake_measure)
+    acc = a.CardAcceptance(compare_figures=False, tool_calls_required=False,
+                           reason="CPU engine, random weights")
+    said: list[str] = []
+    records = asyncio.run(a.run([_target(card_acceptance=acc, stack={"vllm_version": "0.32.0"})],
+                                tmp_path, said.append))
+    assert any("measuring" in s for s in said) and any("done in" in s for s in said)
+    written = list(tmp_path.glob("tb-cpu-*.json"))
+    assert len(written) == 1 and records[0]["path"] == str(written[0])
+    record = a.Record.model_validate_json(written[0].read_text())
+    assert record.policy.compare_figures is False
+    assert record.policy.reason == "CPU engine, random weights"
+    assert record.results["qwen"].comparison == {}
+    assert a.failures(records[0]) == []
+    table = a.summary_table(records)
+    assert "tb-cpu" in table and "0/6" in table and "pass" in table
+    # A broken record is refused with the field named.
+    data = json.loads(written[0].read_text())
+    del data["policy"]["reason"]
+    with pytest.raises(ValidationError, match="policy.reason"):
+        a.Record.model_validate(data)
+
+
+def test_a_failing_donor_is_recorded_and_the_others_go_on(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_measure(target, progress):
+        if target.donor == "down":
+            raise ConnectionRefusedError("refused")
+        return _measured()
+
+    monkeypatch.setattr(a, "measure", fake_measure)
+    acc = a.CardAcceptance(baseline=a.Baseline(prefill_tok_s=5000))
+    records = asyncio.run(a.run([_target(donor="down"), _target(donor="slow",
+                                                                card_acceptance=acc)],
+                                tmp_path, lambda _: None))
+    problems = [p for r in records for p in a.failures(r)]
+    assert problems[0] == "down qwen: ConnectionRefusedError: refused"
+    assert problems[1].startswith("slow qwen: prefill_tok_s 3e+03, needs >= 4.25e+03")
+    assert "FAIL" in a.summary_table(records)
+    for path in tmp_path.glob("*.json"):
+        a.Record.model_validate_json(path.read_text())
+
+
+def test_workload_data_is_strict() -> None:
+    with pytest.raises(ValidationError):
+        a.Workload(decode_max_tokens=0, prefill_prompt_tokens=1, concurrent_prompts=1,
+                   concurrent_prompt_tokens=1, concurrent_max_tokens=1, request_timeout_s=1)
+    with pytest.raises(ValidationError):
+        a.CardAcceptance.model_validate({"baseline": {"prefill": 1}})
+
+
+def test_long_prompt_is_unique_and_sized() -> None:
+    one, two = a._long_prompt(3000), a._long_prompt(3000)
+    assert len(one) == 3000 and one != two and one.split("\n", 1)[1] == two.split("\n", 1)[1]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    seen: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.seen.append(self.headers["Host"])
+        body = b'{"version": "0.32.0"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_client_sends_public_name_and_verifies_our_ca(tmp_path: Path) -> None:
+    """Connecting to an address (the donor's ssh_host) with the public hostname as TLS server
+    name and Host, the certificate checked against our CA, as `make accept` does per donor."""
+    cert, key = Pki(tmp_path / "pki").server_cert("tb-cpu", ["qwen.example.test"])
+    (tmp_path / "c.pem").write_text(cert)
+    (tmp_path / "k.pem").write_text(key)
+    names: list[str | None] = []
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    ctx.sni_callback = lambda sock, name, _ctx: names.append(name)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"https://127.0.0.1:{server.server_address[1]}"
+
+    async def get(target: a.Target) -> dict:
+        client, http = a._client(target)
+        async with client:
+            reply = await http.get(f"{target.base_url}/version")
+            return reply.json()
+
+    try:
+        ca = str(tmp_path / "pki" / "ca.crt")
+        assert asyncio.run(get(_target(base_url=base, ca_file=ca))) == {"version": "0.32.0"}
+        assert names == ["qwen.example.test"]
+        assert _Handler.seen[-1] == "qwen.example.test"
+        # A certificate for another name, or no CA, is refused.
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED|certificate"):
+            asyncio.run(get(_target(base_url=base, ca_file=ca, hostname="other.example.test")))
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED|certificate"):
+            asyncio.run(get(_target(base_url=base, ca_file=None)))
+    finally:
+        server.shutdown()
+
+
+def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
+        tmp_path: Path) -> None:
+    """Donors answer only the client CA's certificates (issue 15): `make accept` goes through an
+    edge only where that measures this donor alone and unthrottled; else to the donor's Caddy
+    with the operator's client certificate, issued under pki_dir/edges/."""
+    fleet, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
+    for data in fleet.values():
+        data["pki_dir"] = str(tmp_path / "pki")
+    fleet = {n: fleet[n] for n in ("tb-4090", "tb-4090b")}
+    # tb-edge spreads hermes.ai.unturf.com over both: each donor is measured on its own Caddy.
+    targets = a.targets_from_fleet(fleet, None, edges)
+    assert [t.base_url for t in targets] == ["https://10.213.0.11:443", "https://10.213.0.13:443"]
+    for t in targets:
+        assert t.hostname == "hermes.ai.unturf.com"
+        assert t.client == (str(tmp_path / "pki/edges/operator-accept.crt"),
+                            str(tmp_path / "pki/edges/operator-accept.key"))
+        assert t.ca_file == str(tmp_path / "pki/ca.crt")
+        assert "spreads it over 2 donors" in t.route
+    assert (tmp_path / "pki/edges/operator-accept.key").stat().st_mode & 0o777 == 0o600
+    # The same edge with tb-4090 alone behind it: through the edge, no client certificate.
+    site = edges["tb-edge"]["sites"][0]
+    site["upstreams"] = [u for u in site["upstreams"] if u["donor"] == "tb-4090"]
+    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
+    assert (one.base_url, one.client) == ("https://10.213.0.20:443", None)
+    assert one.ca_file == str(tmp_path / "pki/ca.crt")  # the edge's public TLS is our CA here
+    assert one.route.startswith("through edge tb-edge")
+    # ... unless it rate-limits (the concurrent prompts would get 429): its Caddy again.
+    edges["tb-edge"]["rate_limit"] = {"events": 3, "window": "1s", "key": "{remote_host}"}
+    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
+    assert one.base_url == "https://10.213.0.11:443" and one.client is not None
+    assert "rate-limits it (3 per 1s)" in one.route
+    # --via wins over both.
+    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, "https://edge.example/", edges)[0]
+    assert (one.base_url, one.client, one.ca_file) == ("https://edge.example", None, None)
+
+
+def test_client_presents_the_operator_certificate_to_a_caddy_requiring_one(
+        tmp_path: Path) -> None:
+    """A server that requires a certificate from our client CA (as every donor's Caddy does)
+    answers `make accept`'s client with the operator's pair, and refuses it without one."""
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.server_cert("tb-cpu", ["qwen.example.test"])
+    (tmp_path / "c.pem").write_text(cert)
+    (tmp_path / "k.pem").write_text(key)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cadata=pki.client_ca_pem())
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"https://127.0.0.1:{server.server_address[1]}"
+    pair = tuple(str(p) for p in pki.client_pair(a.OPERATOR_CLIENT))
+
+    async def get(target: a.Target) -> dict:
+        client, http = a._client(target)
+        async with client:
+            reply = await http.get(f"{target.base_url}/version")
+            return reply.json()
+
+    try:
+        ca = str(tmp_path / "pki" / "ca.crt")
+        assert asyncio.run(get(_target(base_url=base, ca_file=ca, client=pair))) == \
+            {"version": "0.32.0"}
+        with pytest.raises(Exception):  # noqa: B017 - the handshake fails (alert or reset)
+            asyncio.run(get(_target(base_url=base, ca_file=ca)))
+    finally:
+        server.shutdown()
