@@ -39,7 +39,12 @@ for path in sys.argv[1:]:
   fi
   if [ -n "$(ls -A /var/lib/dpkg/updates 2>/dev/null)" ] || [ -n "$(dpkg --audit 2>/dev/null)" ]; then
     echo "uncloseai: dpkg was interrupted: running dpkg --configure -a first" >&2
-    DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a || return
+    # This also folds dpkg's journal (/var/lib/dpkg/updates) into its status, which apt needs. It
+    # fails on a package killed mid-unpack ("very bad inconsistent state; you should reinstall
+    # it"): that package is reinstalled below, then --configure -a runs again.
+    uncloseai_unconfigured=
+    DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a ||
+      uncloseai_unconfigured=1
     # A package killed mid-unpack stays half-installed (reinstall required): reinstall it.
     uncloseai_half=$(dpkg-query -W -f='${db:Status-Abbrev} ${binary:Package}\n' 2>/dev/null |
       awk '$1 ~ /^.H/ || $1 ~ /R$/ { print $2 }')
@@ -48,7 +53,11 @@ for path in sys.argv[1:]:
       # shellcheck disable=SC2086  # one word per package
       DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \
         -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold -y -q \
-        install --reinstall $uncloseai_half || return
+        install --fix-broken --reinstall $uncloseai_half || return
+    fi
+    if [ -n "$uncloseai_unconfigured" ]; then
+      echo "uncloseai: running dpkg --configure -a again, after the reinstall" >&2
+      DEBIAN_FRONTEND=noninteractive dpkg --force-confdef --force-confold --configure -a || return
     fi
   fi
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$uncloseai_wait" \

@@ -332,23 +332,28 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
         assert step in proposed, (step, proposed)
     assert ssh(hosts[SECOND], "test -e /opt/uncloseai", check=False).returncode != 0
     second = hosts[SECOND]
-    # Before its first deploy, tb-4090b's dpkg is killed mid-install (as an SSH drop would):
-    # the deploy must finish it (dpkg --configure -a) and converge.
+    # Before its first deploy, tb-4090b's dpkg is killed mid-install (as an SSH drop would), at
+    # the worst moment: while a package is unpacked over its installed version, so dpkg marks it
+    # "reinstall required" (build-essential upgrades perl-base first on this rootfs). The deploy
+    # must finish dpkg's work, reinstall that package and converge. (Killed a second later instead,
+    # as this test once did, the state depended on timing; CI once hit this one.)
     started = time.monotonic()
     ssh(second, "apt-get -q update >/dev/null")
     killed = ssh(second, "nohup setsid apt-get -q -y install build-essential </dev/null "
                          ">/tmp/apt.log 2>&1 & "
-                         "for i in $(seq 3000); do if pgrep -f '[-]-unpack' >/dev/null; then "
-                         "sleep 1; pkill -KILL -x dpkg; pkill -KILL -x apt-get; echo killed; "
-                         "exit 0; fi; sleep 0.1; done; exit 1", check=False, timeout=600)
-    assert killed.stdout.strip() == "killed", f"no dpkg --unpack to kill: {killed.stdout}"
-    audit = ssh(second, "sleep 0.5; dpkg --audit; ls /var/lib/dpkg/updates", check=False).stdout
-    assert audit.strip(), "dpkg was killed but left nothing to finish"
+                         "for i in $(seq 6000); do "
+                         "if dpkg-query -W -f='${db:Status-Abbrev}\\n' 2>/dev/null | grep -q '^..R'; "
+                         "then pkill -KILL -x dpkg; pkill -KILL -x apt-get; echo killed; exit 0; fi; "
+                         "sleep 0.05; done; exit 1", check=False, timeout=600)
+    assert killed.stdout.strip() == "killed", f"no package mid-unpack to kill: {killed.stdout}"
+    audit = ssh(second, "sleep 0.5; dpkg --audit", check=False).stdout
+    assert "must be reinstalled" in audit, f"dpkg was killed but nothing needs a reinstall: {audit}"
     TIMES["dpkg killed mid-install"] = time.monotonic() - started
     rc, report, log = deploy("--limit", SECOND, "-vvv")
     TIMES["second box (cache hit)"] = report["elapsed"]
     assert rc == 0, log[-4000:]
     assert "uncloseai: dpkg was interrupted: running dpkg --configure -a first" in log
+    assert "uncloseai: reinstalling what dpkg left half-installed:" in log
     assert ssh(second, "dpkg --audit").stdout.strip() == ""
     assert "building v1.5.1" not in log and "exllamav3: building" not in log, log[-4000:]
     assert ssh(second, "test -e /opt/uncloseai/src/exllamav3", check=False).returncode != 0
