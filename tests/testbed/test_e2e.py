@@ -342,9 +342,10 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     killed = ssh(second, "nohup setsid apt-get -q -y install build-essential </dev/null "
                          ">/tmp/apt.log 2>&1 & "
                          "for i in $(seq 6000); do "
-                         "if dpkg-query -W -f='${db:Status-Abbrev}\\n' 2>/dev/null | grep -q '^..R'; "
-                         "then pkill -KILL -x dpkg; pkill -KILL -x apt-get; echo killed; exit 0; fi; "
-                         "sleep 0.05; done; exit 1", check=False, timeout=600)
+                         "if dpkg-query -W -f='${db:Status-Abbrev}\\n' 2>/dev/null "
+                         "| grep -q '^..R'; then "
+                         "pkill -KILL -x dpkg; pkill -KILL -x apt-get; echo killed; exit 0; "
+                         "fi; sleep 0.05; done; exit 1", check=False, timeout=600)
     assert killed.stdout.strip() == "killed", f"no package mid-unpack to kill: {killed.stdout}"
     audit = ssh(second, "sleep 0.5; dpkg --audit", check=False).stdout
     assert "must be reinstalled" in audit, f"dpkg was killed but nothing needs a reinstall: {audit}"
