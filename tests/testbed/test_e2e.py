@@ -609,7 +609,8 @@ def test_edge_serves_the_hostname_from_both_donors(hosts: dict[str, Host]) -> No
 def test_donor_answers_only_the_edges_certificate(hosts: dict[str, Host]) -> None:
     for name in (GOOD, SECOND):
         code, _, rc = curl(hosts[name].ip, HOSTNAME, "/v1/models")
-        assert code == 0 and rc in (35, 56), (name, code, rc)  # the handshake is refused
+        # the handshake is refused (curl's exit: 35, 55 or 56, see tests/verify/test_edge.py)
+        assert code == 0 and rc in (35, 55, 56), (name, code, rc)
         code, body, rc = curl(hosts[name].ip, HOSTNAME, "/v1/models", client=True)
         assert (code, rc) == (200, 0) and "Qwen3.8-27B-exl3" in body, (name, code, rc)
 

@@ -121,11 +121,14 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
 def test_donor_refuses_a_client_without_certificate(host: Host, data: dict,
                                                     route: str) -> None:
     """Straight to the donor's Caddy with the public hostname, no client certificate: the TLS
-    handshake fails (curl exits 35 or 56 and never gets an HTTP status)."""
+    handshake fails and curl never gets an HTTP status. Which error curl reports depends on when
+    the server's alert lands (TLS 1.3 asks for the certificate after the handshake): 35 (handshake),
+    55 (send: the server already closed) or 56 (receive: "alert bad certificate"); all three seen
+    against Caddy 2.6.2 from one client, 55 the most often."""
     port = data["caddy_https_port"]
     script = (_on_box_ca(host, data) + f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' "
               f"$verify $ca --resolve {route}:{port}:127.0.0.1 https://{route}:{port}/v1/models")
     result = host.run("/bin/sh -c %s", script)
-    assert result.rc in (35, 56) and result.stdout.strip() == "000", (
+    assert result.rc in (35, 55, 56) and result.stdout.strip() == "000", (
         f"without a client certificate: curl exit {result.rc}, HTTP {result.stdout.strip()}, "
         f"{result.stderr.strip()}")
