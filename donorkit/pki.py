@@ -142,20 +142,8 @@ class Pki:
             if (issued and names == [edge[:64]]
                     and cert.not_valid_after_utc - _now() > dt.timedelta(days=self.renew_days)):
                 return cert_path.read_text(), key_path.read_text()
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, edge[:64])]))
-                .issuer_name(ca.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(_now() - dt.timedelta(minutes=5))
-                .not_valid_after(_now() + dt.timedelta(days=SERVER_DAYS))
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        _write_private(key_path, _key_pem(key))
-        _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        return cert_path.read_text(), key_path.read_text()
+        return _issue_leaf(ca, ca_key, edge[:64], ExtendedKeyUsageOID.CLIENT_AUTH, [],
+                           cert_path, key_path)
 
     def client_pair(self, name: str) -> tuple[Path, Path]:
         """Paths of `name`'s client certificate and key under edges/ (issued or kept as by
@@ -185,22 +173,32 @@ class Pki:
             cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
             if self._is_current(cert, ca, hostnames):
                 return cert_path.read_text(), key_path.read_text()
-        key = ec.generate_private_key(ec.SECP256R1())
         # The names are in the SAN (what clients check); a CN holds at most 64 characters, so a
         # longer (valid, up to 253) hostname is not put there: the donor's name is.
         common_name = next((h for h in hostnames if len(h) <= 64), donor[:64])
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-                .issuer_name(ca.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(_now() - dt.timedelta(minutes=5))
-                .not_valid_after(_now() + dt.timedelta(days=SERVER_DAYS))
-                .add_extension(x509.SubjectAlternativeName(
-                    [x509.DNSName(h) for h in hostnames]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        _write_private(key_path, _key_pem(key))
-        _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        return cert_path.read_text(), key_path.read_text()
+        san = x509.SubjectAlternativeName([x509.DNSName(h) for h in hostnames])
+        return _issue_leaf(ca, ca_key, common_name, ExtendedKeyUsageOID.SERVER_AUTH, [san],
+                           cert_path, key_path)
+
+
+def _issue_leaf(ca: x509.Certificate, ca_key, common_name: str, usage: x509.ObjectIdentifier,
+                extensions: list[x509.ExtensionType], cert_path: Path,
+                key_path: Path) -> tuple[str, str]:
+    """A new key and a certificate for it from `ca` (SERVER_DAYS, not a CA, one extended key
+    usage, `extensions` non-critical), written to the paths; returns (cert PEM, key PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+               .issuer_name(ca.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(_now() - dt.timedelta(minutes=5))
+               .not_valid_after(_now() + dt.timedelta(days=SERVER_DAYS)))
+    for extension in extensions:
+        builder = builder.add_extension(extension, critical=False)
+    cert = (builder
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write_private(key_path, _key_pem(key))
+    _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path.read_text(), key_path.read_text()
