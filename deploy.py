@@ -24,7 +24,9 @@ if "donors" in host.groups:
         local.include("tasks/plugin.py")
     local.include("tasks/weights.py")
     local.include("tasks/units.py")
+    local.include("tasks/caddy_repository.py")
     local.include("tasks/caddy.py")
 
 if "edges" in host.groups:
+    local.include("tasks/caddy_repository.py")
     local.include("tasks/edge_caddy.py")

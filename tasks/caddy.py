@@ -2,7 +2,6 @@
 loopback port. A new config is validated (as the caddy user) before it replaces the live one."""
 
 from pyinfra import host
-from pyinfra.operations import files
 
 from donorkit.render import CADDY_DROP_IN, CADDYFILE, drain_flag, render_host
 from pyinfra_snapshot.operations import (
@@ -18,18 +17,6 @@ reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
 # A changed unit drop-in (the admin socket's directory) needs a restart, not a reload.
 restart_marker = f"{host.data.install_root}/state/caddy.restart-pending"
 
-if host.data.caddy_source == "upstream":
-    apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"],
-                lock_wait=host.data.apt_lock_wait)
-    keyring = "/usr/share/keyrings/caddy-stable-archive-keyring.gpg"
-    files.download(name="Fetch Caddy's repository key", src=host.data.caddy_upstream_key_url,
-                   dest=f"{keyring}.asc")
-    config_file(
-        name="Point apt at Caddy's repository",
-        content=(f"deb [signed-by={keyring}.asc] {host.data.caddy_upstream_repo_url} "
-                 "any-version main\n"),
-        dest="/etc/apt/sources.list.d/caddy-stable.list",
-    )
 apt_install(name="Install Caddy", packages=["caddy"], lock_wait=host.data.apt_lock_wait)
 
 directories(name="Create the TLS directory", paths=[host.data.caddy_tls_dir], group="caddy",

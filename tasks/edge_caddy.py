@@ -5,7 +5,6 @@ module is refused before its config is touched; a new config is validated (as th
 before it replaces the live one."""
 
 from pyinfra import host
-from pyinfra.operations import files
 
 from donorkit.operations import caddy_has_module
 from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_edge
@@ -20,18 +19,6 @@ from pyinfra_snapshot.operations import (
 reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
 restart_marker = f"{host.data.install_root}/state/caddy.restart-pending"
 
-if host.data.caddy_source == "upstream":
-    apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"],
-                lock_wait=host.data.apt_lock_wait)
-    keyring = "/usr/share/keyrings/caddy-stable-archive-keyring.gpg"
-    files.download(name="Fetch Caddy's repository key", src=host.data.caddy_upstream_key_url,
-                   dest=f"{keyring}.asc")
-    config_file(
-        name="Point apt at Caddy's repository",
-        content=(f"deb [signed-by={keyring}.asc] {host.data.caddy_upstream_repo_url} "
-                 "any-version main\n"),
-        dest="/etc/apt/sources.list.d/caddy-stable.list",
-    )
 # curl: the verification suite checks each donor from the edge with it.
 apt_install(name="Install Caddy", packages=["caddy", "curl"], lock_wait=host.data.apt_lock_wait)
 
