@@ -6,18 +6,10 @@ before it replaces the live one."""
 
 from pyinfra import host
 
+from donorkit.caddy_config import caddy_config
 from donorkit.operations import caddy_has_module
-from donorkit.render import CADDY_DROP_IN, CADDYFILE, render_edge
-from pyinfra_snapshot.operations import (
-    apt_install,
-    config_file,
-    directories,
-    owned_file,
-    reloaded_service,
-)
-
-reload_marker = f"{host.data.install_root}/state/caddy.reload-pending"
-restart_marker = f"{host.data.install_root}/state/caddy.restart-pending"
+from donorkit.render import render_edge
+from pyinfra_snapshot.operations import apt_install
 
 # curl: the verification suite checks each donor from the edge with it.
 apt_install(name="Install Caddy", packages=["caddy", "curl"], lock_wait=host.data.apt_lock_wait)
@@ -33,26 +25,9 @@ if host.data.rate_limit:
              "edge in donors.yml (no rate limit)"),
     )
 
-directories(name="Create the TLS directory", paths=[host.data.caddy_tls_dir], group="caddy",
-            mode="750")
-# `caddy validate` opens the log file: as root it would create it root-owned, locking caddy out.
-owned_file(name="Create the access log", path=host.data.caddy_access_log, user="caddy",
-           group="caddy", mode="640")
-
-for rendered in render_edge(host.data.dict()):
-    is_caddyfile = rendered.path == CADDYFILE
-    config_file(
-        name=f"Install {rendered.path}",
-        content=rendered.content,
-        dest=rendered.path,
-        mode=rendered.mode,
-        user=rendered.user,
-        group=rendered.group,
-        validate=("runuser -u caddy -- caddy validate --adapter caddyfile --config {path} "
-                  ">/dev/null" if is_caddyfile else None),
-        pending_marker=restart_marker if rendered.path == CADDY_DROP_IN else reload_marker,
-    )
-reloaded_service(name="Restart Caddy on its new unit settings", unit="caddy",
-                 pending_marker=restart_marker, restart=True)
-reloaded_service(name="Run Caddy with the current config", unit="caddy",
-                 pending_marker=reload_marker)
+caddy_config(
+    render_edge(host.data.dict()),
+    install_root=host.data.install_root,
+    tls_dir=host.data.caddy_tls_dir,
+    access_log=host.data.caddy_access_log,
+)
