@@ -167,6 +167,7 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     served = sorted(set(donor.routes.values()))
     cuda = card.get("cuda")
     card["engine"] = card.get("engine", "cuda")
+    card["vllm_args"] = [str(a) for a in settings.cards[donor.card].vllm_args]
     data.update(
         donor_name=name,
         role="donor",

@@ -300,6 +300,31 @@ class Card(Strict):
     packages: list[PipRequirement] = []     # cpu engine: vLLM and torch as pinned requirements
     requirements_file: LocalPath | None = None  # cpu engine: every other distribution, pinned
     acceptance: CardAcceptance = CardAcceptance()  # baseline and policy for `make accept`
+    vllm_args: list[ModelArg] = []          # flags this card adds to every model's vllm serve
+
+
+# vLLM 0.26.0 refuses this variable at engine start for a model with neither sliding-window nor
+# Mamba (linear-attention) layers, and when it is not a multiple of the scheduler block size
+# (vllm/v1/core/kv_cache_coordinator.py, _validate_prefix_cache_retention_interval): it belongs to
+# the model profiles whose checkpoint has such layers, never to every unit.
+RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+RETENTION_BLOCK = 16  # vLLM's default KV block size on CUDA (--block-size)
+
+
+def _no_file_wide_retention(env: dict[str, str]) -> dict[str, str]:
+    if RETENTION in env:
+        raise ValueError(f"{RETENTION} belongs in models.<name>.environment of a model with "
+                         "sliding-window or Mamba layers: vLLM 0.26.0 refuses to start any other "
+                         "model with it (a full-attention model such as Hermes never starts)")
+    return env
+
+
+def _retention_multiple(env: dict[str, str]) -> dict[str, str]:
+    value = env.get(RETENTION)
+    if value is not None and not (value.isdigit() and int(value) % RETENTION_BLOCK == 0):
+        raise ValueError(f"{RETENTION} must be a whole number of tokens, a multiple of the KV "
+                         f"block size {RETENTION_BLOCK} (vLLM refuses it otherwise), not {value!r}")
+    return env
 
 
 class Model(Strict):
@@ -309,7 +334,7 @@ class Model(Strict):
     port: Port
     max_model_len: Annotated[int, Field(ge=1)]
     args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
-    environment: dict[EnvName, Text]
+    environment: Annotated[dict[EnvName, Text], AfterValidator(_retention_multiple)]
     revision: Commit | None = None          # the checkpoint's commit; None: not pinned yet
 
 
@@ -374,7 +399,7 @@ class Defaults(Strict):
     vllm_exl3_plugin_dir: AbsPath
     vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",
                                                     "a distribution name")]
-    unit_environment: dict[EnvName, Text]
+    unit_environment: Annotated[dict[EnvName, Text], AfterValidator(_no_file_wide_retention)]
     unit_service: dict[ServiceKey, UnitValue]
     cards: dict[Name, Card]
     models: dict[Name, Model]

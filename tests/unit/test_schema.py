@@ -64,8 +64,7 @@ def test_one_field_of_a_card_and_one_env_value_overridden(tmp_path: Path) -> Non
         "cards": {"rtx4090": {"cuda": "13.0"}},
         "unit_environment": {"EXTRA": "1"}}))["box"]
     assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"]["arch"] == "8.9"
-    assert box["unit_environment"] == {"VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "6400",
-                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    assert box["unit_environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                        "EXTRA": "1"}
 
 
@@ -279,3 +278,29 @@ def test_half_ca_pair_stops_make_render(tmp_path: Path) -> None:
         f"pki error: {pki / 'ca.crt'} exists but {pki / 'ca.key'} does not: restore it (a new "
         "CA would break the edge's trust in every donor); nothing was written"]
     assert (pki / "ca.crt").read_text() == "kept" and not (pki / "ca.key").exists()
+
+
+# ------------------------------------------------------------------ vLLM 0.26.0's own refusals --
+
+def test_retention_is_refused_for_every_unit(tmp_path: Path) -> None:
+    """vLLM 0.26.0 will not start a full-attention model (Hermes) with the retention variable:
+    the file-wide environment cannot carry it."""
+    refused(with_overrides(tmp_path, {"unit_environment": {
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "6400"}}),
+        "overrides.unit_environment", "belongs in models.<name>.environment")
+
+
+@pytest.mark.parametrize("value", ["6401", "-16", "64k", ""])
+def test_retention_is_a_multiple_of_the_block_size(tmp_path: Path, value: str) -> None:
+    refused(with_overrides(tmp_path, {"models": {"qwen": {"environment": {
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": value}}}}),
+        "overrides.models.qwen.environment", "multiple of the KV block size 16")
+
+
+def test_a_card_adds_its_flags_to_every_model(tmp_path: Path) -> None:
+    box = load_fleet(with_overrides(tmp_path, {"cards": {"rtx4090": {
+        "vllm_args": ["--attention-backend", "FLASHINFER"]}}}))["box"]
+    for model in box["models"].values():
+        assert render_unit(box, model).splitlines()[-1].startswith("WantedBy")  # still a unit
+        assert "--attention-backend FLASHINFER" in " ".join(
+            line.strip(" \\") for line in render_unit(box, model).splitlines())

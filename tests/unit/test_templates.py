@@ -109,7 +109,7 @@ def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None
                  "Environment=LD_LIBRARY_PATH=/usr/local/cuda-13.3/lib64",
                  "Environment=VLLM_EXL3_BACKEND=exllamav3", "Environment=VLLM_EXL3_MGEMM=3-32",
                  "Environment=VLLM_EXL3_CUBLAS16_ROWS=256",
-                 "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400",
+                 "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400",  # qwen only
                  "Environment=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                  "TimeoutStartSec=3600", "Restart=always", "RestartSec=5", "MemoryMax=16G",
                  "OOMScoreAdjust=-500", "    --host 127.0.0.1 \\", "    --port 18888 \\",
@@ -117,6 +117,17 @@ def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None
         assert line in text.splitlines(), line
     assert "0.0.0.0" not in text and "--served-model-name" not in text
     assert "/usr/local/cuda/" not in text and "/usr/local/cuda:" not in text
+
+
+def test_only_the_qwen_unit_carries_prefix_cache_retention(tmp_path: Path) -> None:
+    """The seed's Qwen unit keeps retention 6400; vLLM 0.26.0 refuses it for Hermes (full
+    attention: no sliding-window or Mamba KV cache group), so the Hermes unit has none."""
+    (tmp_path / "donors.yml").write_text(TWO_MODELS)
+    data = load_fleet(tmp_path / "donors.yml")["both"]
+    hermes = render_unit(data, data["models"]["hermes"]).splitlines()
+    qwen = render_unit(data, data["models"]["qwen"]).splitlines()
+    assert not [line for line in hermes if "VLLM_PREFIX_CACHE_RETENTION_INTERVAL" in line]
+    assert "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400" in qwen
 
 
 def test_json_arguments_are_one_quoted_word(tmp_path: Path, box: dict) -> None:
