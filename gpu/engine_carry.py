@@ -35,7 +35,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.testbed.cuda_standin import TOOLKITS  # noqa: E402
+from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS  # noqa: E402
 
 WORK = REPO / ".gpu-engine"
 STAGE, CARRY, CACHE = WORK / "stage", WORK / "carry", WORK / "cache"
@@ -154,7 +154,13 @@ def fetch_toolkit() -> None:
     for spec in TOOLKITS["13.3"][1]:
         pip_download(CACHE / "cuda", spec)
     for wheel in (CACHE / "cuda").glob("*.whl"):
-        os.link(wheel, folder / wheel.name)
+        if not wheel.name.startswith(HEADERS_ONLY):
+            os.link(wheel, folder / wheel.name)
+            continue
+        with zipfile.ZipFile(wheel) as whole, zipfile.ZipFile(folder / wheel.name, "w") as part:
+            for info in whole.infolist():  # its headers only (77 MB of libraries stay here)
+                if "/include/" in info.filename:
+                    part.writestr(info, whole.read(info))
 
 
 def make_checkpoints() -> None:

@@ -57,7 +57,7 @@ UNITS = {"qwen": "render/h200-qwen/etc/systemd/system/vllm-qwen.service",
 DONORS = {"qwen": "h200-qwen", "hermes": "h200-hermes"}
 RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 READY_TIMEOUT = 900
-NEGATIVE_TIMEOUT = 480
+NEGATIVE_TIMEOUT = 300
 JIT_FAILURES = ("nvcc: not found", "Could not find nvcc", "cicc: command not found", "cicc",
                 "ninja: build stopped", "RuntimeError", "Error", "error:")
 
@@ -116,7 +116,7 @@ def install(venv: Path) -> dict:
     check = (
         "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
         "from packaging.specifiers import SpecifierSet\n"
-        "table = json.load(open(sys.argv[1]))\nneed = []\n"
+        "table = json.load(open(sys.argv[1]))['carried']\nneed = []\n"
         "for name, e in sorted(table.items()):\n"
         "    try:\n        have = version(name)\n    except PackageNotFoundError:\n"
         "        have = None\n"
@@ -128,8 +128,10 @@ def install(venv: Path) -> dict:
                                       STAGE / "requirements.json"], capture_output=True,
                                      text=True, check=True).stdout)
     wheels = [str(STAGE / "wheels" / table[name]["wheel"]) for name, _ in need]
+    # --ignore-installed: ninja and vllm go into the venv even where the image has them.
     subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-compile", "--disable-pip-version-check", *wheels], check=True)
+                    "--ignore-installed", "--no-compile", "--disable-pip-version-check", *wheels],
+                   check=True)
     os.chmod(venv, 0o755)
     probe = subprocess.run([venv / "bin/python", "-c", "import vllm, vllm.entrypoints.openai."
                             "api_server; print(vllm.__version__)"], capture_output=True, text=True)
@@ -282,7 +284,7 @@ def accept(venv: Path, name: str, port: int) -> dict:
     proc = subprocess.run([venv / "bin/python", "-m", "donorkit.accept", "--donors",
                            "gpu/engine.yml", "--limit", DONORS[name], "--via",
                            f"http://127.0.0.1:{port}", "--results", str(RESULTS / "accept")],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
     return {"rc": proc.returncode, "output": (proc.stdout + proc.stderr)[-1500:]}
 
 
@@ -296,6 +298,8 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
     full_env = {**env, "HOME": str(home), "USER": user, "LOGNAME": user,
                 "SHELL": entry.pw_shell, "LANG": "C.UTF-8"}
     log_path = RESULTS / f"{name}-{kind}.log"
+    if log_path.exists():  # a fallback's run keeps the first one's log
+        log_path.rename(RESULTS / f"{name}-{kind}-first.log")
     say(f"{name} {kind}: starting {' '.join(argv[:3])} ... as {user}")
     with log_path.open("w") as log:
         started = time.monotonic()
@@ -478,7 +482,7 @@ def follow(max_seconds: float) -> None:
         text = PROGRESS.read_text() if PROGRESS.exists() else ""
         print(text[seen:], end="", flush=True)
         seen = len(text)
-        if "DONE" in text[-10:]:
+        if "DONE" in text[-10:] or "FAILED" in text[-300:]:
             break
         time.sleep(5)
     out = Path(os.environ.get("OUT", "/tmp/out"))
@@ -493,12 +497,20 @@ def follow(max_seconds: float) -> None:
         shutil.make_archive(str(out / "accept"), "gztar", RESULTS / "accept")
 
 
+def daemon_or_say() -> None:
+    try:
+        daemon()
+    except Exception as exc:  # the follower must see it, not wait on a dead daemon
+        say(f"FAILED: {type(exc).__name__}: {exc}")
+        raise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["receive", "launch", "follow", "daemon", "table"])
     parser.add_argument("--max", type=float, default=540, help="follow: seconds at most")
     args = parser.parse_args()
-    {"receive": receive, "launch": launch, "daemon": daemon, "table": table,
+    {"receive": receive, "launch": launch, "daemon": daemon_or_say, "table": table,
      "follow": lambda: follow(args.max)}[args.step]()
 
 

@@ -12,10 +12,11 @@ are JIT-compiled and autotuned, and the OpenAI server, chat template and tool pa
   Qwen unit can set VLLM_PREFIX_CACHE_RETENTION_INTERVAL, which vLLM 0.26.0 refuses for a model
   without sliding-window or Mamba layers. The stand-in is the same kind of hybrid in vLLM's
   Qwen3-Next architecture: three linear-attention layers and one full-attention layer, dense MLPs
-  (no experts), head_dim 128. Plain bf16/fp16 weights: the unit's `--quantization exl3` needs the
-  operator's own vllm-exl3 plugin, which is not in this repository (the harness drops that one
-  flag and says so). Small linear-attention heads keep the recurrent state under 64 tokens of
-  attention KV, so the attention block size stays within FlashInfer's limit on Hopper.
+  but for one expert layer (vLLM's Qwen3-Next needs one), head_dim 128. Plain fp16 weights: the
+  unit's `--quantization exl3` needs the operator's own vllm-exl3 plugin, which is not in this
+  repository (the harness drops that one flag and says so). Small linear-attention heads keep
+  the recurrent state under 64 tokens of attention KV, so the attention block size stays within
+  FlashInfer's limit on Hopper.
 - qwen-dense: a plain Qwen3 (full attention only), the fallback the harness uses if the hybrid
   does not start; with it the retention variable must be dropped (recorded as such).
 - hermes: Llama-3.1-shaped in AWQ format (4-bit, group 128, GEMM layout, zero points), so the
@@ -50,8 +51,10 @@ QWEN_HYBRID = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
     "linear_num_key_heads": 2, "linear_num_value_heads": 2,
     "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
-    "num_experts": 0, "num_experts_per_tok": 1, "decoder_sparse_step": 1,
-    "mlp_only_layers": [0, 1, 2, 3], "moe_intermediate_size": 512,
+    # vLLM's Qwen3-Next wants at least one expert layer ("No Qwen3Next layer found in the
+    # model.layers", seen on the H200): the last layer has 4 experts, 2 per token.
+    "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "mlp_only_layers": [0, 1, 2], "moe_intermediate_size": 256,
     "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
     "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-6,
     "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,

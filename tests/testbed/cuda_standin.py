@@ -29,14 +29,16 @@ REPO_URL = f"http://{GATEWAY}:8089/{REPO_PATH}"
 KEYRING_PATH = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 KEYRING_DEB = "cuda-keyring_1.1-1_all.deb"
 LIST_FILE = "/etc/apt/sources.list.d/cuda-debian12-x86_64.list"
-BUILDER = "4"  # bump when the package layout below changes: cached debs are rebuilt
+BUILDER = "5"  # bump when the package layout below changes: cached debs are rebuilt
 
 # toolkit version -> (package version, wheels on PyPI); each wheel unpacks under nvidia/<dir>/.
 TOOLKITS: dict[str, tuple[str, list[str]]] = {
     # nvidia-cuda-crt carries include/crt/*.h (host_config.h): nvcc cannot compile without it.
+    # nvidia-curand: <curand_kernel.h>, which FlashInfer's JIT includes (cuda-toolkit-13-3 has
+    # libcurand-dev); only its headers are taken (HEADERS_ONLY), as the libraries are torch's.
     "13.3": ("13.3.73-1", ["nvidia-cuda-nvcc==13.3.73", "nvidia-nvvm==13.3.73",
                            "nvidia-cuda-crt==13.3.73", "nvidia-cuda-runtime==13.3.29",
-                           "nvidia-cuda-cccl==13.3.5.0.6"]),
+                           "nvidia-cuda-cccl==13.3.5.0.6", "nvidia-curand==10.4.3.29"]),
     # The negative case: ptxas + libnvvm + runtime, and NO bin/nvcc (PyPI has none for 12.x).
     "12.8": ("12.8.93-1", ["nvidia-cuda-nvcc-cu12==12.8.93", "nvidia-cuda-runtime-cu12==12.8.90"]),
 }
@@ -166,14 +168,21 @@ def download_wheel(spec: str) -> Path:
     return found[0]
 
 
+# Wheels of which only include/ goes into the toolkit tree.
+HEADERS_ONLY = ("nvidia_curand-",)
+
+
 def _unpack_wheel(wheel: Path, prefix: Path) -> None:
     """nvidia/<any>/X -> prefix/X, with lib/ -> lib64/ (the toolkit's layout); keep exec bits."""
+    headers_only = wheel.name.startswith(HEADERS_ONLY)
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
             parts = Path(info.filename).parts
             if len(parts) < 3 or parts[0] != "nvidia" or info.is_dir():
                 continue
             rel = Path(*parts[2:])
+            if headers_only and rel.parts[0] != "include":
+                continue
             if rel.name == "__init__.py" or "__pycache__" in rel.parts or rel.parts[0] == "cccl":
                 continue  # Python package glue and CCCL's cmake files: not part of a toolkit tree
             if rel.parts[0] == "lib":

@@ -38,11 +38,19 @@ def _find_in_dirs(host: Host, env: dict[str, str], var: str, name: str) -> str |
     return None
 
 
-def test_cuda_runtime_header_on_cpath(host: Host, data: dict, m: dict) -> None:
+@pytest.mark.parametrize("header", [
+    "cuda_runtime.h",
+    # FlashInfer 0.6.14's JIT (vLLM 0.26.0's FlashInfer attention) includes CUTLASS's
+    # tensor_fill.h, which includes <curand_kernel.h>: without cuRAND's headers every prefill
+    # kernel fails to compile and the engine dies at warmup (seen on the GPU harness with a
+    # toolkit of nvcc, nvvm, crt, runtime and cccl only; NVIDIA's cuda-toolkit-X-Y has them).
+    "curand_kernel.h",
+])
+def test_cuda_headers_on_cpath(host: Host, data: dict, m: dict, header: str) -> None:
     env, source = unit_env(host, data, m)
     print(f"environment from {source}")
-    found = _find_in_dirs(host, env, "CPATH", "cuda_runtime.h")
-    assert found, f"cuda_runtime.h not under CPATH={env.get('CPATH')!r} ({source})"
+    found = _find_in_dirs(host, env, "CPATH", header)
+    assert found, f"{header} not under CPATH={env.get('CPATH')!r} ({source})"
     assert found.startswith(data["cuda_home"] + "/"), f"{found} is not from {data['cuda_home']}"
 
 
