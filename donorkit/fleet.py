@@ -114,6 +114,9 @@ def _problem(error: dict, model: type[BaseModel]) -> str:
     if kind == "missing":
         return "missing"
     if kind == "extra_forbidden":
+        if "unit_service" in error["loc"]:
+            return ("not a setting unit_service may hold (its allow-list: UnitService in "
+                    "donorkit/schema.py)")
         return "unknown field"
     if kind == "value_error":
         return error["msg"].removeprefix("Value error, ")
@@ -369,8 +372,9 @@ def load_inventory(donors_path: Path | str | None = None,
         if name in fleet:
             raise FleetError(f"{where}: a donor has that name too (host names are unique)")
         if pki.is_operator_client(name):
-            raise FleetError(f"{where}: field '{name}': named like the operator's own client "
-                             f"certificate ({', '.join(pki.OPERATOR_CLIENT_NAMES)}, operator-*)")
+            raise FleetError(f"{where}: name: the operator's own client certificates are named "
+                             f"so ({', '.join(pki.OPERATOR_CLIENT_NAMES)}, operator-*): an edge "
+                             "of that name would share the operator's pair")
         edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         merged = _merged(file_wide, edge.overrides, where, "overrides")
         data = _edge_data(name, edge, merged, fleet, pools, where)

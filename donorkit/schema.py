@@ -295,7 +295,7 @@ DurationOrZero = Annotated[str, _duration(0)]
 # Where a client's request cannot choose the value: the connection's own address. A header, the
 # Host, the URI or the remote port would let each client pick its own bucket.
 SERVER_KNOWN_KEYS = ("{remote_host}", "{http.request.remote.host}")
-Placeholder = Annotated[str, _matching(r"\{[a-z][a-z0-9_.>-]*\}",
+Placeholder = Annotated[str, _matching(r"\{[a-z][A-Za-z0-9_.>-]*\}",
                                        "a Caddy placeholder (e.g. {remote_host})")]
 
 
@@ -409,6 +409,8 @@ def _exec(key: str) -> Any:
                                 if allowed else f"no {key} may"))
         if not re.fullmatch(rf"[-@:+!]*(/{_COMPONENT})+( [^\s].*)?", value):
             raise ValueError(f"{value!r} is not an absolute command path with arguments")
+        if ";" in value.split():  # older systemd starts another command line after a lone `;`
+            raise ValueError(f"{value!r}: one command per setting (no ';' word)")
         return value
 
     return Annotated[str, AfterValidator(check)]

@@ -302,3 +302,21 @@ def test_no_value_writes_caddyfile_or_unit_syntax(tmp_path: Path, host: str) -> 
             outcomes["quoted"] += 1
     print(f"\n{host}: {len(leaves)} values x {len(INJECTIONS)} injections: {outcomes}")
     assert outcomes["refused"] and outcomes["quoted"], outcomes
+
+
+@pytest.mark.parametrize("template, filters", [
+    ("Caddyfile.j2", ("caddy", "caddy(quote=True)", "caddy_comment")),
+    ("Caddyfile-edge.j2", ("caddy", "caddy(quote=True)", "caddy_comment")),
+    ("vllm.service.j2", ("systemd_word", "systemd_text", "systemd_value", "systemd_command",
+                         "unit_comment"))])
+def test_every_interpolation_goes_through_a_quoting_filter(template: str,
+                                                           filters: tuple) -> None:
+    """A value added to a template later is quoted too: each `{{ ... }}` ends in one of the
+    filters that quote or refuse (a comment's in caddy_comment / unit_comment)."""
+    import re
+    text = (Path(__file__).resolve().parents[2] / "templates" / template).read_text()
+    found = re.findall(r"\{\{(.*?)\}\}", text)
+    assert found
+    for expression in found:
+        last = expression.rsplit("|", 1)[-1].strip() if "|" in expression else ""
+        assert last in filters or expression.strip().startswith("systemd_env("), expression
