@@ -1,6 +1,7 @@
-"""A TCP relay on 127.0.0.1 that adds a fixed one-way delay to every chunk, in each direction:
-a stand-in for `tc netem delay`, which this machine's kernel lacks (no sch_netem). Order and
-bytes are preserved; only the timing changes. Used by bench/noop_rerun.py only."""
+"""A TCP relay on loopback (one 127.0.1.N address per target) that adds a fixed one-way delay
+to every chunk, in each direction: a stand-in for `tc netem delay`, which this machine's kernel
+lacks (no sch_netem). Order and bytes are preserved; only the timing changes. Used by
+bench/noop_rerun.py only."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import time
 
 
 class Relay:
-    """`with Relay({"name": (host, port)}, delay_s=0.025) as r:` then connect to r.ports[name]."""
+    """`with Relay({"name": (host, port)}, delay_s=0.025) as r:` then connect to
+    (r.addresses[name], r.ports[name]): each target has its own loopback address, so an inventory
+    of relayed hosts names one box per address (donorkit.schema.box_identity)."""
 
     def __init__(self, targets: dict[str, tuple[str, int]], delay_s: float) -> None:
         self.targets = targets
         self.delay_s = delay_s
         self.ports: dict[str, int] = {}
+        self.addresses: dict[str, str] = {}
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -31,9 +35,11 @@ class Relay:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        for name, target in self.targets.items():
+        for index, (name, target) in enumerate(self.targets.items()):
+            address = f"127.0.1.{index + 1}"
             server = self._loop.run_until_complete(asyncio.start_server(
-                lambda r, w, t=target: self._session(r, w, t), "127.0.0.1", 0))
+                lambda r, w, t=target: self._session(r, w, t), address, 0))
+            self.addresses[name] = address
             self.ports[name] = server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()

@@ -56,7 +56,7 @@ BASELINE = "1cf33d2"
 
 
 def donors_file(names: list[tuple[str, str]], path: Path,
-                relays: dict[str, int] | None = None) -> Path:
+                relays: dict[str, tuple[str, int]] | None = None) -> Path:
     """The testbed's donors file with N rtx4090 hosts (through relays when given)."""
     doc = yaml.safe_load(TEMPLATE.read_text())
     # Absolute paths: the baseline worktree must use this checkout's PKI, caches and keys.
@@ -71,7 +71,7 @@ def donors_file(names: list[tuple[str, str]], path: Path,
     for name, ip in names:
         entry = dict(model, ssh_host=ip, routes={f"{name}.ai.unturf.com": "qwen"})
         if relays:
-            entry.update(ssh_host="127.0.0.1", ssh_port=relays[name],
+            entry.update(ssh_host=relays[name][0], ssh_port=relays[name][1],
                          ssh_known_hosts_file=str(WORK / "known_hosts.relayed"))
         doc["donors"][name] = entry
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -214,9 +214,11 @@ def main() -> int:
             with Relay({n: (ip, 22) for n, ip in names}, delay_s=0.025) as relay:
                 known = (WORK / "known_hosts").read_text()
                 for name, ip in names:
-                    known = known.replace(f"{ip} ", f"[127.0.0.1]:{relay.ports[name]} ")
+                    known = known.replace(
+                        f"{ip} ", f"[{relay.addresses[name]}]:{relay.ports[name]} ")
                 (WORK / "known_hosts.relayed").write_text(known)
-                relayed = donors_file(names, WORK / "bench-donors-relayed.yml", relay.ports)
+                relayed = donors_file(names, WORK / "bench-donors-relayed.yml",
+                                      {n: (relay.addresses[n], relay.ports[n]) for n, _ in names})
                 slow = measure(relayed, [n for n, _ in names], args.rounds, "50 ms round trip",
                                modes, baseline)
     finally:

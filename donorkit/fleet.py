@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from donorkit import schema
+from donorkit import pki, schema
 from donorkit.paths import REPO_ROOT, repo_path
 
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
@@ -114,6 +114,9 @@ def _problem(error: dict, model: type[BaseModel]) -> str:
     if kind == "missing":
         return "missing"
     if kind == "extra_forbidden":
+        if "unit_service" in error["loc"]:
+            return ("not a setting unit_service may hold (its allow-list: UnitService in "
+                    "donorkit/schema.py)")
         return "unknown field"
     if kind == "value_error":
         return error["msg"].removeprefix("Value error, ")
@@ -139,6 +142,43 @@ def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
         if error["type"] == "extra_forbidden" and known is not None:
             problem += f" (known: {', '.join(sorted(known))})"
         raise FleetError(f"{where}: field '{prefix}{field}': {problem}") from None
+
+
+def _check_strings(doc: Any, path: Path) -> None:
+    """schema.check_strings on a whole file: one line naming the file, the host and the field."""
+    found = schema.check_strings(doc)
+    if not found:
+        return
+    where, problem = found
+    if len(where) >= 2 and where[0] in ("donors", "edges"):
+        host = f"{'donor' if where[0] == 'donors' else 'edge'} '{label(where[1])}'"
+        if len(where) == 2:
+            raise FleetError(f"{path}: {host}: name: {problem}")
+        raise FleetError(f"{path}: {host}: field '{_field(where[2:])}': {problem}")
+    raise FleetError(f"{path}: field '{_field(where)}': {problem}")
+
+
+# What gives a private key away, in the first bytes of a file (PEM, OpenSSH, PuTTY).
+_PRIVATE_KEY_MARKS = ("PRIVATE KEY-----", "PuTTY-User-Key-File", "OPENSSH PRIVATE KEY")
+
+
+def token_file_problem(value: str | None) -> str | None:
+    """hf_token_file is uploaded to every donor: never a file under an .ssh directory, never a
+    file that holds a private key (a file not there yet is the weights step's to report)."""
+    if not value:
+        return None
+    resolved = repo_path(value)
+    if ".ssh" in Path(value).parts or ".ssh" in resolved.parts:
+        return (f"{value} is under an .ssh directory: SSH keys are never uploaded (the token "
+                "file goes to every donor)")
+    try:
+        with resolved.open("rb") as handle:
+            head = handle.read(65536).decode("utf-8", "replace")
+    except OSError:
+        return None
+    if any(mark in head for mark in _PRIVATE_KEY_MARKS):
+        return f"{value} holds a private key, not a Hugging Face token"
+    return None
 
 
 def _merged(defaults: dict, override: Any, where: str, origin: str) -> dict:
@@ -286,6 +326,7 @@ def load_inventory(donors_path: Path | str | None = None,
     if not isinstance(defaults, dict):
         raise FleetError(f"{defaults_path}: must be a mapping of settings, "
                          f"got {type(defaults).__name__}")
+    _check_strings(defaults, defaults_path)
     settings = _validate(schema.Defaults, defaults, str(defaults_path),
                          known=schema.Defaults.model_fields)
     problem = schema.check_driver_minimums(settings, list(settings.cards))
@@ -294,24 +335,34 @@ def load_inventory(donors_path: Path | str | None = None,
     doc = read_yaml(donors_path)
     if not isinstance(doc, dict) or not isinstance(doc.get("donors"), dict) or not doc["donors"]:
         raise FleetError(f"{donors_path}: must be a mapping with a non-empty 'donors' mapping")
+    _check_strings(doc, donors_path)
     inventory = _validate(schema.Inventory, doc, str(donors_path),
                           known=schema.Inventory.model_fields)
     file_wide = _merged(defaults, inventory.overrides, str(donors_path), "overrides")
+    problem = token_file_problem(file_wide["hf_token_file"])
+    if problem:
+        origin = ((str(donors_path), "overrides.") if "hf_token_file" in inventory.overrides
+                  else (str(defaults_path), ""))
+        raise FleetError(f"{origin[0]}: field '{origin[1]}hf_token_file': {problem}")
     fleet: dict[str, dict] = {}
-    seen_addresses: dict[tuple, str] = {}
+    # One box, one entry: schema.box_identity's spelling, whatever the SSH port.
+    seen_addresses: dict[str, str] = {}
     for name, entry in inventory.donors.items():
         where = f"{donors_path}: donor '{label(name)}'"
         if not isinstance(entry, dict):
             raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
         donor = _validate(schema.Donor, entry, where, known=schema.Donor.model_fields)
         merged = _merged(file_wide, donor.overrides, where, "overrides")
+        problem = token_file_problem(donor.overrides.get("hf_token_file"))
+        if problem:
+            raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
         settings = schema.Defaults.model_validate(merged)
         data = _host_data(name, donor, merged, settings, where)
-        address = (data["ssh_hostname"], data["ssh_port"])
+        address = schema.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
-            raise FleetError(f"{where}: field 'ssh_host': {address[0]}:{address[1]} is already "
-                             f"used by donor '{seen_addresses[address]}'")
-        seen_addresses[address] = name
+            raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
+                             f"{seen_addresses[address]} (one box, one entry)")
+        seen_addresses[address] = f"donor '{name}'"
         fleet[name] = data
     pools = _pools(fleet, donors_path)
     edges: dict[str, dict] = {}
@@ -321,14 +372,18 @@ def load_inventory(donors_path: Path | str | None = None,
             raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
         if name in fleet:
             raise FleetError(f"{where}: a donor has that name too (host names are unique)")
+        if pki.is_operator_client(name):
+            raise FleetError(f"{where}: name: the operator's own client certificates are named "
+                             f"so ({', '.join(pki.OPERATOR_CLIENT_NAMES)}, operator-*): an edge "
+                             "of that name would share the operator's pair")
         edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         merged = _merged(file_wide, edge.overrides, where, "overrides")
         data = _edge_data(name, edge, merged, fleet, pools, where)
-        address = (data["ssh_hostname"], data["ssh_port"])
+        address = schema.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
-            raise FleetError(f"{where}: field 'ssh_host': {address[0]}:{address[1]} is already "
-                             f"used by '{seen_addresses[address]}'")
-        seen_addresses[address] = name
+            raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
+                             f"{seen_addresses[address]} (one box, one entry)")
+        seen_addresses[address] = f"edge '{name}'"
         edges[name] = data
     if require_local_sources:
         for name, data in fleet.items():

@@ -27,6 +27,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_DAYS = 3650
 SERVER_DAYS = 365
+# Client certificates the operator's own tools present to donors (donorkit/accept.py's
+# operator-accept, bench/rollout.py's bench-watcher), issued under edges/ as an edge's are: no
+# edge may be named like one (or anything operator-*), or it would share the operator's pair.
+OPERATOR_CLIENT_NAMES = ("operator-accept", "bench-watcher")
+
+
+def is_operator_client(name: str) -> bool:
+    return name in OPERATOR_CLIENT_NAMES or name.startswith("operator-")
 
 
 def _now() -> dt.datetime:

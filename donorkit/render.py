@@ -12,6 +12,7 @@ import jinja2
 
 from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.pki import Pki
+from donorkit.schema import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
@@ -77,11 +78,65 @@ def systemd_env(key: str, value: object) -> str:
     return systemd_quote(f"{key}={value}")
 
 
+def _one_line(text: str, where: str) -> str:
+    """Refuse what would end a line, continue it, or hide what it says."""
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text) or "\\" in text:
+        raise ValueError(f"{text!r}: control characters and backslashes cannot be in {where}")
+    return text
+
+
 def systemd_value(value: object) -> str:
-    """A [Service] value from unit_service: systemd syntax as written (booleans as yes/no)."""
+    """A [Service] value from unit_service: systemd syntax as written (booleans as yes/no); the
+    schema's UnitService allow-list says which values; nothing here can end or continue the
+    line."""
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return str(value)
+    return _one_line(str(value), "a unit setting")
+
+
+def systemd_text(value: object) -> str:
+    """Free text in a unit setting (Description=): on one line, `%` doubled (specifiers)."""
+    return systemd_specifiers(_one_line(str(value), "a unit setting"))
+
+
+def systemd_word(value: object) -> str:
+    """A value systemd must read as one plain word (User=, a key, a port)."""
+    text = str(value)
+    if not _PLAIN_WORD.fullmatch(text):
+        raise ValueError(f"{text!r} is not a plain word a unit line can hold")
+    return text
+
+
+def unit_comment(value: object) -> str:
+    return _one_line(str(value), "a comment")
+
+
+# A Caddyfile token left bare: nothing the lexer reads as syntax (quotes, braces, `#`, `<<`,
+# whitespace); a placeholder only in its plain form. Anything else is quoted (caddy_token).
+_CADDY_BARE = re.compile(r"[A-Za-z0-9_./:@>,=+~\[\]-]+|\{[a-z][a-z0-9_.]*\}")
+
+
+def caddy_token(value: object, quote: bool = False) -> str:
+    """One Caddyfile token, exactly as given: bare when plain (and not `quote`), else in double
+    quotes with `"` escaped. Refused: what no quoting can carry (control characters: a newline
+    would end the directive; a backslash: Caddy keeps it, except before `"`; `{$`: Caddy
+    substitutes an environment variable there before it reads any token)."""
+    text = str(value)
+    if (any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text)
+            or "\\" in text or "{$" in text or not text):
+        raise ValueError(f"{text!r} cannot be a Caddyfile token (control characters, "
+                         "backslashes, '{$' or nothing)")
+    if _CADDY_BARE.fullmatch(text) and not quote:
+        return text
+    return '"' + text.replace('"', '\\"') + '"'
+
+
+def caddy_comment(value: object) -> str:
+    """A value in a Caddyfile comment: on its line, and no `{$` (substituted even there)."""
+    text = _one_line(str(value), "a Caddyfile comment")
+    if "{$" in text:
+        raise ValueError(f"{text!r}: '{{$' cannot be in a Caddyfile")
+    return text
 
 
 @functools.cache
@@ -92,6 +147,12 @@ def _environment() -> jinja2.Environment:
                              lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["systemd_command"] = systemd_command
     env.filters["systemd_value"] = systemd_value
+    env.filters["systemd_text"] = systemd_text
+    env.filters["systemd_word"] = systemd_word
+    env.filters["unit_comment"] = unit_comment
+    env.filters["caddy"] = caddy_token
+    env.filters["caddy_comment"] = caddy_comment
+    env.filters["caddy_duration"] = caddy_duration
     env.filters["systemd_specifiers"] = systemd_specifiers
     env.globals["systemd_env"] = systemd_env
     return env

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from donorkit import schema
 from donorkit.render import drain_flag
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -82,12 +83,8 @@ class Edge:
         return seconds(proxy["health_interval"]) + seconds(proxy["health_timeout"])
 
 
-def seconds(duration: str) -> float:
-    """A Caddy duration of the inventory (`2s`, `250ms`, `1m`) in seconds."""
-    for unit, factor in (("ms", 0.001), ("s", 1), ("m", 60), ("h", 3600)):
-        if duration.endswith(unit) and duration[:-len(unit)].replace(".", "", 1).isdigit():
-            return float(duration[:-len(unit)]) * factor
-    raise ValueError(f"not a duration: {duration!r}")
+# A Caddy duration of the inventory (`2s`, `250ms`, `1m30s`) in seconds: the schema's own parser.
+seconds = schema.duration_seconds
 
 
 def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:

@@ -128,7 +128,7 @@ def test_rate_limit_absent_is_the_default_null_is_none_set_is_kept(tmp_path: Pat
      "edge 'front': field 'rate_limit.window'"),
     ({"public_tls": "self"}, "edge 'front': field 'public_tls'"),
     ({"ssh_host": "192.0.2.11"},
-     "edge 'front': field 'ssh_host': 192.0.2.11:22 is already used by 'a'"),
+     "edge 'front': field 'ssh_host': 192.0.2.11 is the box of donor 'a'"),
     ({"card": "rtx4090"}, "edge 'front': field 'card': unknown field"),
 ])
 def test_edge_mistakes_are_one_line(tmp_path: Path, fields: dict, message: str) -> None:

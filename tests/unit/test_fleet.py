@@ -78,7 +78,7 @@ BAD_CASES = {
     "misspelt field": (GOOD.replace("card: rtx3090", "crad: rtx3090"),
                        "donor 'box-b': field 'crad': unknown field"),
     "duplicate address": (GOOD.replace("192.0.2.11", "192.0.2.10"),
-                          "donor 'box-b': field 'ssh_host': 192.0.2.10:22 is already used by "
+                          "donor 'box-b': field 'ssh_host': 192.0.2.10 is the box of "
                           "donor 'box-a'"),
     "malformed yaml": (GOOD.replace("routes:\n      qwen", "routes: [\n      qwen"),
                        "malformed YAML (line"),

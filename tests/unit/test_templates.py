@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jinja2
 import pytest
 
-from donorkit.fleet import DONORS_FILE, load_fleet
+from donorkit.fleet import DONORS_FILE, load_fleet, load_inventory
 from donorkit.render import render_caddyfile, render_host, render_unit, write_tree
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -248,3 +249,85 @@ def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
 
 def test_systemd_analyze_is_available() -> None:
     assert shutil.which("systemd-analyze"), "install systemd (Debian) for the unit checks"
+
+
+# ------------------------------------------------------------------ issue 21, hole 1 ----------
+# The second layer: a value the schema let through (here put straight into the host data, the
+# schema bypassed) is quoted or refused by the template's filters, never read as Caddyfile or
+# unit syntax. Each value the output shows gets each injection appended; the render refuses it
+# (ValueError), or Caddy refuses the one token it became, or it reads back, through the real
+# `caddy adapt`, with exactly the sites,
+# listeners, upstreams and files the data names and the template's shape, and units with exactly
+# the template's lines.
+INJECTIONS = ["\n}\nevil.example.com:80 {\n\tfile_server\n}\nx {", '" {\n\trespond 200\n}\n"',
+              " {$HOME}", "\\", "a b\"c }", "\rUser=root"]
+
+
+def shown_leaves(node: object, text: str, path: tuple = ()) -> list[tuple]:
+    """Paths to the strings and ints of host data that the rendered text shows."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in shown_leaves(v, text, (*path, k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in shown_leaves(v, text, (*path, i))]
+    if isinstance(node, (str, int)) and not isinstance(node, bool) and len(str(node)) >= 3 \
+            and str(node) in text:
+        return [path]
+    return []
+
+
+def put(data: dict, path: tuple, value: object) -> dict:
+    import copy
+    data = copy.deepcopy(data)
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize("host", ["tb-4090", "tb-edge"])
+def test_no_value_writes_caddyfile_or_unit_syntax(tmp_path: Path, host: str) -> None:
+    from tests.unit import rendered_shape as shape
+    fleet, edges = load_inventory(Path(__file__).resolve().parents[1] / "testbed/donors.yml")
+    data = shape.in_tmp({**fleet, **edges}[host], tmp_path)
+    caddyfile = shape.lay_out(data, tmp_path)[0]
+    reference, reference_text = shape.adapt(caddyfile), caddyfile.read_text()
+    text = "".join(f.content for f in render_host(data) if "BEGIN" not in f.content)
+    leaves = shown_leaves(data, text)
+    assert len(leaves) > 10, leaves
+    outcomes = {"refused": 0, "caddy refused": 0, "quoted": 0}
+    for path in leaves:
+        for injection in INJECTIONS:
+            original = data
+            for key in path:
+                original = original[key]
+            bad = put(data, path, f"{original}{injection}")
+            try:
+                shape.check_host(bad, tmp_path, reference, reference_text)
+            except (ValueError, KeyError, jinja2.UndefinedError):  # a filter, or a lookup
+                outcomes["refused"] += 1
+                continue
+            except shape.CaddyRefused:  # read as one (bad) token: the deploy's validate stops
+                outcomes["caddy refused"] += 1
+                continue
+            outcomes["quoted"] += 1
+    print(f"\n{host}: {len(leaves)} values x {len(INJECTIONS)} injections: {outcomes}")
+    assert outcomes["refused"] and outcomes["quoted"], outcomes
+
+
+@pytest.mark.parametrize("template, filters", [
+    ("Caddyfile.j2", ("caddy", "caddy(quote=True)", "caddy_comment")),
+    ("Caddyfile-edge.j2", ("caddy", "caddy(quote=True)", "caddy_comment")),
+    ("vllm.service.j2", ("systemd_word", "systemd_text", "systemd_value", "systemd_command",
+                         "unit_comment"))])
+def test_every_interpolation_goes_through_a_quoting_filter(template: str,
+                                                           filters: tuple) -> None:
+    """A value added to a template later is quoted too: each `{{ ... }}` ends in one of the
+    filters that quote or refuse (a comment's in caddy_comment / unit_comment)."""
+    import re
+    text = (Path(__file__).resolve().parents[2] / "templates" / template).read_text()
+    found = re.findall(r"\{\{(.*?)\}\}", text)
+    assert found
+    for expression in found:
+        last = expression.rsplit("|", 1)[-1].strip() if "|" in expression else ""
+        assert last in filters or expression.strip().startswith("systemd_env("), expression
