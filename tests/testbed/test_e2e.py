@@ -451,11 +451,13 @@ def junit_outcomes(path: Path) -> dict[str, str]:
 
 
 def curl(address: str, hostname: str, path: str, headers: str = "",
-         client: bool = False) -> tuple[int, str, int]:
+         client: bool | str = False) -> tuple[int, str, int]:
     """curl from this machine to https://hostname{path} at `address`:443, verified against the
-    testbed's CA; with tb-edge's client certificate when `client`. (status, body, curl's rc)"""
+    testbed's CA; with tb-edge's client certificate when `client` (or the one of that name under
+    the testbed's pki/edges/). (status, body, curl's rc)"""
     url = shlex.quote(f"https://{hostname}{path}")
-    cert = (f"--cert {PKI}/edges/{EDGE}.crt --key {PKI}/edges/{EDGE}.key " if client else "")
+    name = EDGE if client is True else client
+    cert = (f"--cert {PKI}/edges/{name}.crt --key {PKI}/edges/{name}.key " if name else "")
     result = subprocess.run(
         ["sh", "-c", f"curl -sS -m 30 -o /dev/stdout -w '\\n%{{http_code}}' {headers} {cert}"
                      f"--cacert {PKI}/ca.crt --resolve {hostname}:443:{address} {url}"],
@@ -614,6 +616,22 @@ def test_donor_answers_only_the_edges_certificate(hosts: dict[str, Host]) -> Non
         assert code == 0 and rc in (35, 55, 56), (name, code, rc)
         code, body, rc = curl(hosts[name].ip, HOSTNAME, "/v1/models", client=True)
         assert (code, rc) == (200, 0) and "Qwen3.8-27B-exl3" in body, (name, code, rc)
+
+
+def test_donors_refuse_an_edge_not_in_the_inventory(hosts: dict[str, Host]) -> None:
+    """Issue 21, hole 6: donors trust exactly the current edges' and the operator's client
+    certificates. A valid certificate from the same client CA for an edge that is not in the
+    inventory (as one deleted from it, once the donors are deployed) fails the handshake with
+    both deployed donors; tb-edge's and the operator's pass."""
+    from donorkit.pki import OPERATOR_CLIENT, Pki
+
+    Pki(PKI).client_cert("tb-edge-gone")
+    for name in (GOOD, SECOND):
+        code, _, rc = curl(hosts[name].ip, HOSTNAME, "/v1/models", client="tb-edge-gone")
+        assert code == 0 and rc in (35, 55, 56), (name, code, rc)
+        for client in (EDGE, OPERATOR_CLIENT):
+            code, body, rc = curl(hosts[name].ip, HOSTNAME, "/v1/models", client=client)
+            assert (code, rc) == (200, 0) and "Qwen3.8-27B-exl3" in body, (name, client, code)
 
 
 def test_edge_routes_around_a_stopped_donor_and_back(hosts: dict[str, Host]) -> None:
