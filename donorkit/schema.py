@@ -339,9 +339,6 @@ class EdgeProxy(Strict):
     health_uri: UriPath
     health_interval: Duration
     health_timeout: Duration
-    fail_duration: Duration
-    max_fails: Annotated[int, Field(ge=1)]
-    unhealthy_status: list[Annotated[int, Field(ge=100, le=599)]]
 
 
 class Defaults(Strict):

@@ -4,14 +4,20 @@ the distro's 2.6.2), for what `caddy validate` cannot show (issue 21):
 - hole 6: a donor's Caddy accepts exactly the current edges' and the operator's client
   certificates; a certificate from the same client CA for an edge no longer in the inventory
   fails the handshake.
+- hole 5: a request that runs into the edge's response-header timeout does not take its donor
+  out of the pool: a request loop through the same edge meanwhile has no failure, and the donor
+  keeps getting requests.
 """
 
 from __future__ import annotations
 
 import http.client
+import http.server
+import json
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -21,10 +27,11 @@ import yaml
 from donorkit import pki as pki_module
 from donorkit.fleet import load_inventory
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.render import CADDYFILE, render_edge, render_host
+from donorkit.render import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
 from tests.unit.test_edge import CADDIES, CADDY_IDS, caddy_or_skip, in_tmp, lay_out
 
 HOSTNAME = "hermes.ai.unturf.com"
+CHECKPOINT = "turboderp/Qwen3.8-27B-exl3"  # the qwen model of defaults.yml
 
 
 def free_port() -> int:
@@ -152,3 +159,133 @@ def test_an_edge_renews_its_certificate_only_after_the_donors_trust_it(
     assert f"trusted_leaf_cert_file {tls}/client-front.prev.crt" in caddyfile
     # The edge's next render presents the renewed one (outside the window now).
     assert renewed in {f.content for f in render_edge(edge)}
+
+
+# ------------------------------------------------------------------ hole 5 ------------------
+
+class Donor(http.server.ThreadingHTTPServer):
+    """A stand-in for a donor's Caddy: HTTPS with its server certificate, /v1/models listing the
+    checkpoint; a request with `X-Slow: S` waits S seconds first. Counts the requests that are
+    not the edge's health checks."""
+
+    daemon_threads = True
+
+    def __init__(self, address: str, port: int, cert: Path, key: Path) -> None:
+        self.requests: list[tuple[float, str]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if not self.headers.get(EDGE_HEALTH_HEADER):
+                    self.server.requests.append((time.time(), self.headers.get("X-Loop", "")))
+                time.sleep(float(self.headers.get("X-Slow", "0")))
+                body = json.dumps({"data": [{"id": CHECKPOINT}]}).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
+                    pass  # the edge gave up on a slow one
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__((address, port), Handler)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(str(cert), str(key))
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def finish_request(self, request, client_address) -> None:
+        # The handshake in the request's thread: the accepting loop never waits on one.
+        try:
+            request = self.context.wrap_socket(request, server_side=True)
+        except OSError:
+            return
+        super().finish_request(request, client_address)
+
+    def since(self, at: float) -> int:
+        return sum(1 for t, tag in self.requests if t > at and tag.startswith("loop"))
+
+
+def via_edge(port: int, pki: Path, headers: dict[str, str], timeout: float = 30) -> int | str:
+    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+
+    class Pinned(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            raw = socket.create_connection(("127.0.0.1", port), timeout)
+            self.sock = context.wrap_socket(raw, server_hostname=HOSTNAME)
+
+    conn = Pinned(HOSTNAME, port, timeout=timeout, context=context)
+    try:
+        conn.request("GET", "/v1/models", headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException) as exc:
+        return type(exc).__name__
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
+def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str) -> None:
+    """The rendered edge (response-header timeout 1 s here) in front of two donors. While a loop
+    of requests runs through it, slow requests (3 s) go through it until each donor got one:
+    each is answered 504 by the edge's timeout, the loop has 0 failures, and both donors keep
+    getting the loop's requests after their slow one."""
+    binary = caddy_or_skip(binary)
+    pki = tmp_path / "pki"
+    edge_port = free_port()
+    donors, edges = fleet(tmp_path, ["front"], edge_https_port=edge_port,
+                          caddy_response_header_timeout="1s")
+    edge = in_tmp(edges["front"], tmp_path)
+    servers = {}
+    for name, address in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
+        Pki(pki).server_cert(name, [HOSTNAME])
+        servers[name] = Donor(address, donors[name]["caddy_https_port"],
+                              pki / "hosts" / f"{name}.crt", pki / "hosts" / f"{name}.key")
+    caddyfile = lay_out(render_edge(edge), tmp_path)
+    caddy = start_caddy(binary, caddyfile, tmp_path / "admin.sock")
+    results: list[tuple[float, int | str]] = []
+    done = threading.Event()
+
+    def loop() -> None:
+        n = 0
+        while not done.is_set():
+            results.append((time.time(), via_edge(edge_port, pki, {"X-Loop": f"loop-{n}"})))
+            n += 1
+            time.sleep(0.05)
+
+    try:
+        wait_port(edge_port, caddy, caddyfile.parent / "caddy.log")
+        deadline = time.monotonic() + 20
+        while via_edge(edge_port, pki, {}) != 200:  # the first active checks
+            assert time.monotonic() < deadline, (caddyfile.parent / "caddy.log").read_text()
+            time.sleep(0.2)
+        thread = threading.Thread(target=loop)
+        thread.start()
+        try:
+            slow = []
+            while len(slow) < 6 and not all(
+                    any(tag == "slow" for _, tag in s.requests) for s in servers.values()):
+                started = time.monotonic()
+                slow.append((via_edge(edge_port, pki, {"X-Slow": "3", "X-Loop": "slow"}),
+                             round(time.monotonic() - started, 1)))
+            last_slow = time.time()
+            time.sleep(3)
+        finally:
+            done.set()
+            thread.join()
+    finally:
+        stop(caddy)
+        for server in servers.values():
+            server.shutdown()
+            server.server_close()
+    failed = [(round(at - last_slow, 1), status) for at, status in results if status != 200]
+    after = {name: s.since(last_slow) for name, s in servers.items()}
+    print(f"\n{binary}: slow requests {slow}; loop {len(results)} requests, {len(failed)} failed "
+          f"{failed[:5]}; loop requests per donor after the last slow one: {after}")
+    assert all(any(tag == "slow" for _, tag in s.requests) for s in servers.values()), slow
+    assert all(status == 504 and took < 2.5 for status, took in slow), slow
+    assert len(results) > 40 and failed == [], failed
+    assert after["a"] > 0 and after["b"] > 0, after
