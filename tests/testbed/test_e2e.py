@@ -928,11 +928,31 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
     boxes = [Box(name, data) for name, data in load_fleet(change).items()]
     since = time.time() - 1
     tag = f"rollout{random.randrange(10**6)}"
+    import threading
+
+    ran: dict[str, tuple[int, str, float]] = {}
+    lock = "/opt/uncloseai/state/rollout.lock"
     with RequestLoop(boxes, HOSTNAME, "turboderp/Qwen3.8-27B-exl3", edge=hosts[EDGE].ip,
                      cafile=str(PKI / "ca.crt"), interval=0.05, max_seconds=600,
                      tag=tag) as loop:
-        rc, out, took = rollout(change)
+        first = threading.Thread(target=lambda: ran.setdefault("first", rollout(change)))
+        first.start()
+        # Issue 21, hole 4: a second rollout while this one runs is refused, naming the holder.
+        deadline = time.monotonic() + 60
+        while ssh(hosts[SECOND], f"test -d {lock}", check=False).returncode != 0:
+            assert time.monotonic() < deadline and first.is_alive(), ran
+            time.sleep(0.2)
+        second_rc, second_out, _ = rollout(change)
+        first.join()
+        rc, out, took = ran["first"]
         time.sleep(1)
+    print(f"a second rollout meanwhile: rc {second_rc}: {second_out.strip().splitlines()[-1]}")
+    assert second_rc == 2 and re.search(
+        rf"rollout: refused: {GOOD}: another rollout holds {lock}: \S+@\S+ pid \d+ since ",
+        second_out), second_out[-2000:]
+    assert "rollout: batch" not in second_out
+    for name in (GOOD, SECOND):  # the first one's locks went with it
+        assert ssh(hosts[name], f"test -e {lock}", check=False).returncode != 0, name
     TIMES["rollout of 2 boxes"] = took
     answered = {h: len(loop_seqs(hosts[h], tag)) for h in (GOOD, SECOND)}
     print(f"rollout of 2 boxes in {took:.1f} s; requests through the edge: {loop.summary()}; "
