@@ -242,10 +242,12 @@ def lock_command(path: str, holder: str) -> str:
 
 
 def unlock_command(path: str, holder: str | None) -> str:
-    """Remove the lock `path`: only when `holder` holds it (None: whoever holds it)."""
+    """Remove the lock `path`: only when `holder` holds it (None: whoever holds it, printing
+    `held by <holder>` when there was one)."""
     lock = shlex.quote(path)
     if holder is None:
-        return f"cat {lock}/holder 2>/dev/null; rm -rf {lock}"
+        return (f"if [ -d {lock} ]; then printf 'held by %s\\n' \"$(cat {lock}/holder "
+                f"2>/dev/null || echo '(no holder written)')\"; rm -rf {lock}; fi")
     return (f"if [ \"$(head -n 1 {lock}/holder 2>/dev/null)\" = {shlex.quote(holder)} ]; "
             f"then rm -rf {lock}; fi")
 
@@ -549,14 +551,23 @@ def stopped_at(args) -> str:
 
 
 def unlock_all(fleet: Fleet) -> int:
-    """--unlock: remove every donor's rollout lock, saying whose it was."""
-    for box in fleet.boxes:
-        rc, out = fleet.remote(box).run(unlock_command(lock_path(box), None))
-        held = out.strip()
-        print(f"rollout: {box.name}: " + (f"removed the lock of {held}" if held and rc == 0
-                                          else "no lock" if rc == 0 else f"failed: {held}"),
-              flush=True)
-    return 0
+    """--unlock: remove every donor's rollout lock, saying whose it was; 1 if a box could not
+    be asked."""
+    failed = 0
+    try:
+        for box in fleet.boxes:
+            try:
+                rc, out = fleet.remote(box).run(unlock_command(lock_path(box), None))
+            except Exception as exc:  # noqa: BLE001 - SSH: said per box, the others still asked
+                rc, out = 1, f"{type(exc).__name__}: {exc}"
+            held = out.strip().removeprefix("held by ")
+            failed += rc != 0
+            print(f"rollout: {box.name}: " + (f"failed: {held}" if rc != 0 else
+                                              f"removed the lock of {held}" if held else
+                                              "no lock"), flush=True)
+    finally:
+        fleet.close()
+    return 1 if failed else 0
 
 
 def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str, list[Box]],

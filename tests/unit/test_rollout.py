@@ -227,9 +227,12 @@ def test_one_rollout_at_a_time(tmp_path, capsys):
     second.locked = first.boxes
     second.unlock("someone else")  # not its locks: they stay
     assert lock.exists() and (tmp_path / "b/state/rollout.lock").exists()
-    assert rollout.unlock_all(local_fleet(tmp_path, ["a", "c"])) == 0
+    (tmp_path / "d/state/rollout.lock").mkdir(parents=True)  # a driver that died at once
+    assert rollout.unlock_all(local_fleet(tmp_path, ["a", "c", "d"])) == 0
     out = capsys.readouterr().out
-    assert f"rollout: a: removed the lock of {holder}\nrollout: c: no lock\n" in out, out
+    assert (f"rollout: a: removed the lock of {holder}\nrollout: c: no lock\n"
+            "rollout: d: removed the lock of (no holder written)\n") in out, out
+    assert not (tmp_path / "d/state/rollout.lock").exists()
     assert not lock.exists()
     first.unlock(holder)
     assert not (tmp_path / "b/state/rollout.lock").exists()
