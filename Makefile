@@ -4,9 +4,11 @@
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
-#   make rollout [BATCH=N] [FROM=host] [INVENTORY=file]
+#   make rollout [BATCH=N] [FROM=host] [INVENTORY=file] [PLAN=1] [UNLOCK=1]
 #                                     the fleet a batch at a time, each back in service before
-#                                     the next (python -m donorkit.rollout; README "Upgrading the fleet")
+#                                     the next (python -m donorkit.rollout; README "Upgrading the fleet");
+#                                     PLAN=1 prints the plan and touches nothing; UNLOCK=1 clears
+#                                     a stale rollout lock
 #   make accept [LIMIT=host] [VIA=url] acceptance run per donor through its public hostname
 #                                     (records under results/accept; non-zero below baseline)
 
@@ -41,7 +43,7 @@ render: venv
 	$(BIN)/python -m donorkit.render_cli -- "$(HOST)" "$(OUT)"
 
 rollout: venv
-	$(BIN)/python -m donorkit.rollout $(if $(BATCH),--batch $(BATCH)) $(if $(FROM),--from $(FROM)) $(if $(INVENTORY),--inventory $(INVENTORY))
+	$(BIN)/python -m donorkit.rollout $(if $(BATCH),--batch "$(BATCH)") $(if $(FROM),--from "$(FROM)") $(if $(INVENTORY),--inventory "$(INVENTORY)") $(if $(PLAN),--plan) $(if $(UNLOCK),--unlock)
 
 accept: venv
 	$(BIN)/python -m donorkit.accept $(if $(LIMIT),--limit "$(LIMIT)") $(if $(VIA),--via "$(VIA)")

@@ -50,7 +50,7 @@ import httpx2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
-from donorkit.pki import PkiError
+from donorkit.pki import OPERATOR_CLIENT, PkiError
 from donorkit.render import pki_for
 from donorkit.schema import (
     AcceptanceSettings,
@@ -194,9 +194,8 @@ def _connect_url(hostname: str, port: int) -> str:
     return f"https://{hostname}" + ("" if port == 443 else f":{port}")
 
 
-# The operator's own client certificate (from the client CA, under pki_dir/edges/): a donor's
-# Caddy answers only the client CA's certificates.
-OPERATOR_CLIENT = "operator-accept"
+# OPERATOR_CLIENT (donorkit/pki.py): the operator's own client certificate, under
+# pki_dir/edges/; a donor's Caddy answers only the current edges' and this one.
 
 
 def _edge_route(edges: dict[str, dict], donor: str, hostname: str) -> tuple[dict | None, str]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from donorkit import pki, schema
 from donorkit.paths import REPO_ROOT, repo_path
+from donorkit.pki import OPERATOR_CLIENT
 
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
@@ -385,6 +386,10 @@ def load_inventory(donors_path: Path | str | None = None,
                              f"{seen_addresses[address]} (one box, one entry)")
         seen_addresses[address] = f"edge '{name}'"
         edges[name] = data
+    # Each donor's Caddy accepts exactly these client certificates: an edge deleted here loses
+    # access at the donors' next deploy (donorkit/pki.py).
+    for data in fleet.values():
+        data["trusted_clients"] = [*sorted(edges), OPERATOR_CLIENT]
     if require_local_sources:
         for name, data in fleet.items():
             source = data["vllm_exl3_plugin"]

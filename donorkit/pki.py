@@ -3,12 +3,16 @@ certificates for edges.
 
 - `ca.crt`/`ca.key`: issues each donor's server certificate (and an edge's public one where
   edge_public_tls is private_ca); the edge verifies donors against `ca.crt`.
-- `client-ca.crt`/`client-ca.key`: issues one client certificate per edge; every donor's Caddy
-  trusts this CA alone for client authentication. A CA of its own, not the server CA, because
-  donor boxes are donated machines: each holds a server key from `ca.key`, and with one CA the
-  donors' client-auth trust would rest on Caddy checking the extended key usage of every
-  certificate the server CA ever issued. With two, no certificate a donor holds can open
-  another donor, and either CA can be replaced without touching the other's certificates.
+- `client-ca.crt`/`client-ca.key`: issues one client certificate per edge (and the operator's
+  own, OPERATOR_CLIENT). A donor's Caddy accepts a client certificate only when this CA issued
+  it AND it is one of the leaf certificates the deploy gave it: the current edges' and the
+  operator's (render.trusted_client_files). An edge deleted from the inventory loses access at
+  the donors' next deploy, though its certificate is still valid: no revocation list needed.
+  A CA of its own, not the server CA, because donor boxes are donated machines: each holds a
+  server key from `ca.key`, and with one CA the donors' client-auth trust would rest on Caddy
+  checking the extended key usage of every certificate the server CA ever issued. With two, no
+  certificate a donor holds can open another donor, and either CA can be replaced without
+  touching the other's certificates.
 The CA keys never leave this machine; every key is written 0600 here and goes only to its own
 host.
 """
@@ -27,10 +31,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_DAYS = 3650
 SERVER_DAYS = 365
-# Client certificates the operator's own tools present to donors (donorkit/accept.py's
-# operator-accept, bench/rollout.py's bench-watcher), issued under edges/ as an edge's are: no
-# edge may be named like one (or anything operator-*), or it would share the operator's pair.
-OPERATOR_CLIENT_NAMES = ("operator-accept", "bench-watcher")
+# The operator's own client certificate (pki_dir/edges/operator-accept.*): `make accept`, the
+# verification suite and the benchmarks present it to a donor's Caddy; every donor trusts it.
+OPERATOR_CLIENT = "operator-accept"
+# Client certificates the operator's own tools present to donors (OPERATOR_CLIENT, and
+# bench/rollout.py's bench-watcher), issued under edges/ as an edge's are: no edge may be named
+# like one (or anything operator-*), or it would share the operator's pair.
+OPERATOR_CLIENT_NAMES = (OPERATOR_CLIENT, "bench-watcher")
 
 
 def is_operator_client(name: str) -> bool:
@@ -132,9 +139,15 @@ class Pki:
         self._ensure_ca()
         return self.ca_cert_path.read_text()
 
-    def client_cert(self, edge: str) -> tuple[str, str]:
+    def client_cert(self, edge: str, renew: bool = True) -> tuple[str, str]:
         """(cert PEM, key PEM) of `edge`'s client certificate from the client CA, issued anew
-        only when the CA, the name or the expiry (pki_renew_days) demand, like server_cert."""
+        only when the CA, the name or the expiry (pki_renew_days) demand, like server_cert.
+
+        Donors trust exactly the leaf certificates they were given (trusted_pems), so a renewal
+        must reach the donors before the client presents it: a donor's render renews (and its
+        Caddy trusts the new and the previous certificate, kept as `<name>.prev.crt` until it
+        expires); an edge's render passes renew=False and keeps presenting its certificate until
+        it has expired, so deploying an edge alone never locks it out of the donors."""
         ca, ca_key = self._ensure_ca(client=True)
         edge_dir = self.directory / "edges"
         edge_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -147,11 +160,25 @@ class Pki:
             except (InvalidSignature, ValueError, TypeError):
                 issued = False
             names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
-            if (issued and names == [edge[:64]]
-                    and cert.not_valid_after_utc - _now() > dt.timedelta(days=self.renew_days)):
+            margin = dt.timedelta(days=self.renew_days if renew else 0)
+            if issued and names == [edge[:64]] and cert.not_valid_after_utc - _now() > margin:
                 return cert_path.read_text(), key_path.read_text()
+            if issued and names == [edge[:64]] and cert.not_valid_after_utc > _now():
+                _write_public(edge_dir / f"{edge}.prev.crt", cert_path.read_bytes())
         return _issue_leaf(ca, ca_key, edge[:64], ExtendedKeyUsageOID.CLIENT_AUTH, [],
                            cert_path, key_path)
+
+    def trusted_pems(self, name: str) -> list[str]:
+        """The certificates of client `name` a donor accepts: its current one (issued or renewed
+        as client_cert does) and, until it expires, the one it replaced (the edge may still
+        present it: edges are deployed after donors, or alone)."""
+        pems = [self.client_cert(name)[0]]
+        prev = self.directory / "edges" / f"{name}.prev.crt"
+        if prev.exists():
+            cert = x509.load_pem_x509_certificate(prev.read_bytes())
+            if cert.not_valid_after_utc > _now():
+                pems.append(prev.read_text())
+        return pems
 
     def client_pair(self, name: str) -> tuple[Path, Path]:
         """Paths of `name`'s client certificate and key under edges/ (issued or kept as by

@@ -217,6 +217,17 @@ def client_ca_path(data: dict) -> str:
     return f"{data['caddy_tls_dir']}/client-ca.crt"
 
 
+def trusted_client_files(data: dict) -> dict[str, str]:
+    """On a donor: {path: certificate PEM} of every client certificate its Caddy accepts: the
+    current edges' and the operator's (fleet.py's `trusted_clients`; a client's previous
+    certificate too while it is valid, Pki.trusted_pems), one file each: Caddy's
+    `trusted_leaf_cert_file` reads the first certificate of a file."""
+    pki = pki_for(data)
+    return {f"{data['caddy_tls_dir']}/client-{name}{'.prev' if n else ''}.crt": pem
+            for name in data["trusted_clients"]
+            for n, pem in enumerate(pki.trusted_pems(name))}
+
+
 # Sent by an edge's health checks only (a client's copy is dropped by the edge): the donor's
 # Caddy fails these checks while its drain flag exists (the rolling rollout, donorkit/rollout.py).
 EDGE_HEALTH_HEADER = "X-Uncloseai-Edge-Health"
@@ -233,6 +244,7 @@ def render_caddyfile(data: dict) -> str:
     flag = Path(drain_flag(data))
     return _environment().get_template("Caddyfile.j2").render(
         data, tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
+        trusted_leafs=list(trusted_client_files(data)),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
         drain_flag_name=flag.name)
 
@@ -287,6 +299,7 @@ def render_host(data: dict) -> list[RenderedFile]:
     files.append(RenderedFile(cert, cert_pem))
     files.append(RenderedFile(key, key_pem, mode="640", group="caddy"))
     files.append(RenderedFile(client_ca_path(data), pki.client_ca_pem()))
+    files += [RenderedFile(path, pem) for path, pem in trusted_client_files(data).items()]
     files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))
     files.append(RenderedFile(CADDYFILE, render_caddyfile(data)))
     return files
@@ -297,7 +310,8 @@ def render_edge(data: dict) -> list[RenderedFile]:
     public pair when edge_public_tls is private_ca, the admin socket drop-in, the Caddyfile.
     Keys 0640 root:caddy."""
     pki, paths = pki_for(data), edge_paths(data)
-    client_pem, client_key_pem = pki.client_cert(data["edge_name"])
+    # Not renewed here: a donor's deploy does, so the donors trust it before the edge presents it.
+    client_pem, client_key_pem = pki.client_cert(data["edge_name"], renew=False)
     files = [RenderedFile(paths["ca"], pki.ca_pem()),
              RenderedFile(paths["client_cert"], client_pem),
              RenderedFile(paths["client_key"], client_key_pem, mode="640", group="caddy")]

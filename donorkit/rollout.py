@@ -1,9 +1,9 @@
 """Rolling rollout: the fleet deployed a batch at a time, each batch back in service before the
 next one starts, stopping at the first failure.
 
-    make rollout [BATCH=N] [FROM=HOST] [INVENTORY=inventory/gpus.py]
-    .venv/bin/python -m donorkit.rollout [--inventory FILE] [--batch N] [--from HOST]
-                                         [-- extra pyinfra arguments]
+    make rollout [BATCH=N] [FROM=HOST] [INVENTORY=inventory/gpus.py] [PLAN=1] [UNLOCK=1]
+    .venv/bin/python -m donorkit.rollout [--inventory FILE] [--batch N] [--from HOST] [--plan]
+                                         [--unlock] [-- extra pyinfra arguments]
 
 Each batch is one run of the real entry point, `pyinfra -y INVENTORY deploy.py --limit A
 --limit B ...`: the deploy fetches weights before any unit restarts and passes each restarted
@@ -26,17 +26,30 @@ Batches: N boxes at a time (`--batch`, or `rollout_batch_size` in the inventory 
 inventory order, never two boxes that serve the same public hostname in one batch. Before a batch
 starts, every other box serving one of its hostnames must be serving now: a hostname is never
 left with no box. A hostname that only one box serves is out of service while that box restarts
-(said before it starts). At the first failure it prints what was done, what failed and the
-command that resumes from there.
+(said before it starts). At the first failure, or Ctrl-C, it prints what was done, what failed and
+the command that resumes from there: from the first box of the batch it was in, since any box of
+that batch may be out of the pools (its drain flag) and only a run of it puts it back.
+
+One rollout at a time: before it touches anything the driver takes a lock on every box of its
+plan, in inventory order (`<install_root>/state/rollout.lock`, an atomic mkdir holding who and
+since when), so a second driver, from this machine or another, is refused with one line naming
+the holder; the driver removes its locks when it ends, however it ends. A lock left by a driver
+that died (its machine lost power) is cleared with `make rollout UNLOCK=1` (`--unlock`).
+
+`--plan` (`make rollout PLAN=1`) prints the batches, which box leaves which edge's pools in which
+batch, and which hostname runs on one box meanwhile, from the inventory alone: no connection.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import getpass
 import http.client
 import json
 import os
 import runpy
+import secrets
 import shlex
 import socket
 import ssl
@@ -188,6 +201,66 @@ def plan_batches(boxes: list[Box], size: int) -> list[list[Box]]:
     return batches
 
 
+def plan_text(batches: list[list[Box]], edges: list[Edge],
+              serving: dict[str, list[Box]]) -> list[str]:
+    """What a rollout of `batches` would do, batch by batch: which box leaves which edge's pools
+    (its drain flag) and comes back, and what each of its hostnames runs on meanwhile."""
+    lines = []
+    for number, batch in enumerate(batches, 1):
+        lines.append(f"batch {number}/{len(batches)}: {', '.join(b.name for b in batch)}")
+        for box in batch:
+            pools = sorted({e.name for e in edges if e.pool_of(box)})
+            lines.append(f"  {box.name}: " + (
+                f"out of the pools of {', '.join(pools)}, deployed, back in them"
+                if pools else "in no edge's pool: deployed"))
+            for hostname in box.routes:
+                others = [o.name for o in serving[hostname] if o.name != box.name]
+                if not others:
+                    note = f"out of service while {box.name} restarts (no other box serves it)"
+                elif len(others) == 1:
+                    note = f"runs on one box, {others[0]}, while {box.name} restarts"
+                else:
+                    note = f"runs on {len(others)} boxes ({', '.join(others)})"
+                lines.append(f"    {hostname}: {note}")
+    return lines
+
+
+def lock_path(box: Box) -> str:
+    return f"{box.data['install_root']}/state/rollout.lock"
+
+
+def lock_command(path: str, holder: str) -> str:
+    """Take the lock directory `path` (mkdir is atomic) and write `holder` into it; when it is
+    there already, print its holder and exit 3."""
+    lock, state = shlex.quote(path), shlex.quote(str(Path(path).parent))
+    return (f"mkdir -p {state} && if mkdir {lock} 2>/dev/null; then "
+            f"printf '%s\\n' {shlex.quote(holder)} > {lock}/holder; else "
+            f"cat {lock}/holder 2>/dev/null || echo '(holder not written yet)'; exit 3; fi")
+
+
+def unlock_command(path: str, holder: str | None) -> str:
+    """Remove the lock `path`: only when `holder` holds it (None: whoever holds it, printing
+    `held by <holder>` when there was one)."""
+    lock = shlex.quote(path)
+    if holder is None:
+        return (f"if [ -d {lock} ]; then printf 'held by %s\\n' \"$(cat {lock}/holder "
+                f"2>/dev/null || echo '(no holder written)')\"; rm -rf {lock}; fi")
+    return (f"if [ \"$(head -n 1 {lock}/holder 2>/dev/null)\" = {shlex.quote(holder)} ]; "
+            f"then rm -rf {lock}; fi")
+
+
+def new_holder() -> str:
+    """Who holds the lock: user@machine, process id, start time (UTC) and a random token, so
+    a driver removes its own locks only."""
+    since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()} since {since} "
+            f"({secrets.token_hex(4)})")
+
+
+class RolloutLocked(Exception):
+    """Another rollout holds a box's lock; the message is the one line to print."""
+
+
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to the box's address, with the public hostname as SNI and Host (as the edge does)."""
 
@@ -246,6 +319,26 @@ class Fleet:
     def close(self) -> None:
         for remote in self._remotes.values():
             remote.close()
+
+    def lock(self, boxes: list[Box], holder: str) -> None:
+        """Take every box's rollout lock, in the given (inventory) order: two drivers whose
+        plans share boxes meet at the first shared one, and only one gets past it. Refused: the
+        locks taken so far are removed and RolloutLocked says who holds the box's."""
+        self.locked: list[Box] = []
+        for box in boxes:
+            rc, out = self.remote(box).run(lock_command(lock_path(box), holder))
+            if rc != 0:
+                self.unlock(holder)
+                held = out.strip() if rc == 3 else f"cannot take the lock: {out.strip()}"
+                raise RolloutLocked(f"{box.name}: another rollout holds {lock_path(box)}: {held}"
+                                    if rc == 3 else f"{box.name}: {held}")
+            self.locked.append(box)
+
+    def unlock(self, holder: str) -> None:
+        """Remove the locks this driver took (each only if it still holds it)."""
+        for box in reversed(getattr(self, "locked", [])):
+            self.remote(box).run(unlock_command(lock_path(box), holder))
+        self.locked = []
 
     def edges_of(self, box: Box) -> list[tuple[Edge, str]]:
         """(edge, upstream address) for every edge pool the box is in."""
@@ -377,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="start", help="resume: skip the boxes before this one")
     parser.add_argument("--in-service-timeout", type=float,
                         help="seconds a box may take to serve through Caddy after its run")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the batches and what each takes out; connect to nothing")
+    parser.add_argument("--unlock", action="store_true",
+                        help="remove a stale rollout lock from every donor (a driver that died)")
     parser.add_argument("pyinfra_args", nargs="*", help="after --: passed to pyinfra")
     args = parser.parse_args(argv)
 
@@ -406,18 +503,68 @@ def main(argv: list[str] | None = None) -> int:
             serving.setdefault(hostname, []).append(box)
     print(f"rollout: {len(order)} boxes, {size} at a time: "
           + " | ".join(", ".join(b.name for b in batch) for batch in batches), flush=True)
+    if args.plan:
+        print(f"rollout: plan only ({args.inventory}): nothing is touched", flush=True)
+        print("\n".join(plan_text(batches, edges, serving)), flush=True)
+        return 0
 
     fleet = Fleet(boxes, edges)
+    if args.unlock:
+        return unlock_all(fleet)
+    holder = new_holder()
     try:
+        fleet.lock([b for batch in batches for b in batch], holder)
+        print(f"rollout: locked {len(fleet.locked)} boxes for {holder}", flush=True)
         return run_batches(args, fleet, batches, serving, timeout)
+    except RolloutLocked as exc:
+        print(f"rollout: refused: {exc} (if that rollout is gone: make rollout UNLOCK=1)",
+              file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("\nrollout: INTERRUPTED" + stopped_at(args), file=sys.stderr, flush=True)
+        return 130
     except Exception as exc:  # SSH to a box or an edge: paramiko's errors, OSError, ours
-        at = getattr(args, "current", None)
-        print(f"\nrollout: STOPPED: {type(exc).__name__}: {exc}"
-              + (f"\n  resume with: {resume_command(args, at)}" if at else ""),
+        print(f"\nrollout: STOPPED: {type(exc).__name__}: {exc}" + stopped_at(args),
               file=sys.stderr, flush=True)
         return 1
     finally:
+        try:
+            fleet.unlock(holder)
+        except Exception as exc:  # noqa: BLE001 - said, not raised: the run's outcome stands
+            print(f"rollout: could not remove every lock ({type(exc).__name__}: {exc}); "
+                  "clear them with: make rollout UNLOCK=1", file=sys.stderr, flush=True)
         fleet.close()
+
+
+def stopped_at(args) -> str:
+    """The resume line for a run stopped from outside the batch loop's own checks: from the
+    first box of the batch under way (any of its boxes may be out of the pools)."""
+    at = getattr(args, "current", None)
+    if not at:
+        return ""
+    return (f"\n  in batch: {', '.join(b.name for b in at)} (any of them may be out of the "
+            f"edges' pools until a run of it succeeds)\n"
+            f"  resume with: {resume_command(args, at[0])}")
+
+
+def unlock_all(fleet: Fleet) -> int:
+    """--unlock: remove every donor's rollout lock, saying whose it was; 1 if a box could not
+    be asked."""
+    failed = 0
+    try:
+        for box in fleet.boxes:
+            try:
+                rc, out = fleet.remote(box).run(unlock_command(lock_path(box), None))
+            except Exception as exc:  # noqa: BLE001 - SSH: said per box, the others still asked
+                rc, out = 1, f"{type(exc).__name__}: {exc}"
+            held = out.strip().removeprefix("held by ")
+            failed += rc != 0
+            print(f"rollout: {box.name}: " + (f"failed: {held}" if rc != 0 else
+                                              f"removed the lock of {held}" if held else
+                                              "no lock"), flush=True)
+    finally:
+        fleet.close()
+    return 1 if failed else 0
 
 
 def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str, list[Box]],
@@ -426,7 +573,7 @@ def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str,
     began = time.monotonic()
     for number, batch in enumerate(batches, 1):
         names = [b.name for b in batch]
-        args.current = batch[0]
+        args.current = batch
         # A hostname is never left with no box: its other boxes must be serving now.
         for box in batch:
             for hostname in box.routes:
@@ -443,12 +590,15 @@ def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str,
         print(f"rollout: batch {number}/{len(batches)}: {', '.join(names)}", flush=True)
         started = time.monotonic()
         taken_out: dict[str, dict[str, float]] = {}
-        for box in batch:
+        for index, box in enumerate(batch):
             taken_out[box.name], why = fleet.take_out(box, timeout)
             if why:
-                return report(args, done, [box], f"not taken out of the edges' pools: {why} "
-                              "(it stays out until a run of it succeeds)", batches[number - 1:],
-                              began)
+                # Its flag, and the flags of the boxes before it in this batch, exist: each
+                # stays out of the pools until a run of it succeeds, so resume from the first.
+                return report(args, done, batch[:index + 1], f"{box.name} not taken out of "
+                              f"the edges' pools: {why} (out of them until a run succeeds: "
+                              f"{', '.join(b.name for b in batch[:index + 1])})",
+                              batches[number - 1:], began)
             if taken_out[box.name]:
                 print(f"rollout: {box.name} out of the pools of "
                       f"{', '.join(taken_out[box.name])}, nothing in flight to it", flush=True)
@@ -473,6 +623,7 @@ def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str,
         took = time.monotonic() - started
         done += [(n, took) for n in names]
         print(f"rollout: batch {number} in service after {took:.1f} s", flush=True)
+    args.current = None
     print(f"rollout: done, {len(done)} boxes in {time.monotonic() - began:.1f} s: "
           + ", ".join(n for n, _ in done), flush=True)
     return 0

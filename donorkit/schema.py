@@ -290,7 +290,7 @@ Duration = Annotated[str, _duration(1)]
 """A Caddy duration above zero, at most 24h (an interval of 0s is Caddy's default of 30s, not
 what the rollout would wait)."""
 DurationOrZero = Annotated[str, _duration(0)]
-"""A Caddy duration, 0s allowed (where Caddy reads 0 as `off`: lb_try_duration, fail_duration)."""
+"""A Caddy duration, 0s allowed (where Caddy reads 0 as `off`: lb_try_duration)."""
 
 # Where a client's request cannot choose the value: the connection's own address. A header, the
 # Host, the URI or the remote port would let each client pick its own bucket.
@@ -682,9 +682,6 @@ class EdgeProxy(Strict):
     health_uri: UriPath
     health_interval: Duration
     health_timeout: Duration
-    fail_duration: DurationOrZero
-    max_fails: Annotated[int, Field(ge=1)]
-    unhealthy_status: list[Annotated[int, Field(ge=100, le=599)]]
 
 
 class Defaults(Strict):

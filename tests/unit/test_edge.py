@@ -282,8 +282,9 @@ def test_edge_caddyfile_validates_and_adapts_to_the_pools(tmp_path: Path, binary
         assert (active["uri"], active["expect_status"]) == ("/v1/models", 200)
         assert active["headers"]["Host"] == [hostname]
         assert active["interval"] == 2_000_000_000 and active["timeout"] == 5_000_000_000
-        passive = proxy["health_checks"]["passive"]
-        assert passive["max_fails"] == 1 and passive["unhealthy_status"] == [502, 503, 504]
+        # No passive check: it would count a client's slow request against the donor (issue
+        # 21; tests/unit/test_edge_runtime.py).
+        assert "passive" not in proxy["health_checks"]
         lb = proxy["load_balancing"]
         assert lb["selection_policy"]["policy"] == "round_robin"
         assert lb["try_duration"] == 5_000_000_000

@@ -45,6 +45,205 @@ def test_resume_command_names_the_failed_box(monkeypatch):
         "DONORS_FILE='/tmp/my fleet.yml' make rollout FROM=b"
 
 
+# --- issue 21, hole 4: a stopped rollout never strands a box; one rollout at a time; --plan ---
+import signal  # noqa: E402
+import subprocess as _subprocess  # noqa: E402
+
+import yaml  # noqa: E402
+
+from donorkit import rollout  # noqa: E402
+
+
+def edge(name: str, *pools: tuple[str, str]) -> rollout.Edge:
+    """An edge whose site `hostname` has the donors `names` (address: name:443)."""
+    return rollout.Edge(name, {"sites": [
+        {"hostname": hostname, "upstreams": [{"donor": n, "address": f"{n}:443"}
+                                             for n in names.split()]}
+        for hostname, names in pools]})
+
+
+def serving_of(boxes: list[Box]) -> dict[str, list[Box]]:
+    serving: dict[str, list[Box]] = {}
+    for b in boxes:
+        for hostname in b.routes:
+            serving.setdefault(hostname, []).append(b)
+    return serving
+
+
+def test_plan_says_who_is_drained_when_and_what_runs_on_one_box():
+    fleet = [box("a", "h1"), box("b", "h1"), box("c", "h2"), box("d", "h1")]
+    batches = plan_batches(fleet, 2)
+    text = rollout.plan_text(batches, [edge("e1", ("h1", "a b d"))], serving_of(fleet))
+    assert text == [
+        "batch 1/3: a, c",
+        "  a: out of the pools of e1, deployed, back in them",
+        "    h1: runs on 2 boxes (b, d)",
+        "  c: in no edge's pool: deployed",
+        "    h2: out of service while c restarts (no other box serves it)",
+        "batch 2/3: b",
+        "  b: out of the pools of e1, deployed, back in them",
+        "    h1: runs on 2 boxes (a, d)",
+        "batch 3/3: d",
+        "  d: out of the pools of e1, deployed, back in them",
+        "    h1: runs on 2 boxes (a, b)"]
+    two = [box("a", "h1"), box("b", "h1")]
+    assert rollout.plan_text(plan_batches(two, 2), [], serving_of(two))[2] == \
+        "    h1: runs on one box, b, while a restarts"
+
+
+def donors_file(tmp_path: Path) -> Path:
+    """A fleet of two donors of one hostname behind one edge, at addresses nobody answers."""
+    entry = {"ssh_user": "root", "card": "rtx4090", "routes": {"h.example.com": "qwen"}}
+    doc = {"donors": {"a": {**entry, "ssh_host": "192.0.2.1"},
+                      "b": {**entry, "ssh_host": "192.0.2.2"},
+                      "c": {**entry, "ssh_host": "192.0.2.3",
+                            "routes": {"other.example.com": "qwen"}}},
+           "edges": {"e1": {"ssh_host": "192.0.2.9", "ssh_user": "root", "hostnames": "all",
+                            "rate_limit": None}},
+           # The inventory file checks that a local plugin source exists: the testbed's does.
+           "overrides": {"vllm_exl3_plugin": {"path": "tests/testbed/standins/vllm-exl3"}}}
+    path = tmp_path / "donors.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DONORS_FILE", str(donors_file(tmp_path)))
+
+    def no_connection(*args, **kwargs):
+        raise AssertionError("--plan opened a connection")
+
+    monkeypatch.setattr(rollout, "Remote", no_connection)
+    monkeypatch.setattr(rollout.socket, "create_connection", no_connection)
+    assert rollout.main(["--plan", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout: plan only (inventory/gpus.py): nothing is touched" in out
+    assert "batch 1/2: a, c\n  a: out of the pools of e1, deployed, back in them\n" \
+           "    h.example.com: runs on one box, b, while a restarts\n" in out, out
+
+
+def test_make_rollout_plan(tmp_path):
+    result = _subprocess.run(["make", "-s", "rollout", "PLAN=1", "BATCH=2"],
+                             cwd=rollout.REPO_ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "DONORS_FILE": str(donors_file(tmp_path))})
+    assert result.returncode == 0, result.stderr
+    assert "batch 2/2: b\n  b: out of the pools of e1" in result.stdout, result.stdout
+
+
+class FakeFleet:
+    """The driver's view of the fleet without SSH: every box serves; take_out fails for the
+    boxes in `refuse` (after making their drain flag, as the real one may); `interrupt` raises
+    a real SIGINT while taking that box out."""
+
+    def __init__(self, boxes, edges, refuse=(), interrupt=None):
+        self.boxes, self.edges = boxes, edges
+        self.refuse, self.interrupt = set(refuse), interrupt
+        self.flags: list[str] = []
+        self.locked: list[Box] = []
+
+    def lock(self, boxes, holder):
+        self.locked = list(boxes)
+
+    def unlock(self, holder):
+        self.unlocked, self.locked = list(self.locked), []
+
+    def close(self):
+        pass
+
+    def in_service(self, box):
+        return None
+
+    def take_out(self, box, timeout):
+        self.flags.append(box.name)
+        if box.name == self.interrupt:
+            signal.raise_signal(signal.SIGINT)
+        return {"e1": 0.0}, ("e1 logged no failed health check for x:443"
+                             if box.name in self.refuse else None)
+
+
+def run_main(monkeypatch, tmp_path, fake: dict, argv: list[str]) -> tuple[int, str, FakeFleet]:
+    monkeypatch.setenv("DONORS_FILE", str(donors_file(tmp_path)))
+    made = []
+
+    def fleet(boxes, edges):
+        made.append(FakeFleet(boxes, edges, **fake))
+        return made[0]
+
+    monkeypatch.setattr(rollout, "Fleet", fleet)
+    return rollout.main(argv), "", made[0]
+
+
+def test_a_failed_take_out_resumes_from_the_first_box_of_the_batch(tmp_path, monkeypatch,
+                                                                   capsys):
+    """BATCH=2: a is taken out (its drain flag exists), taking c out fails: the resume command
+    starts at a, so a is deployed by the resumed run and comes back into the pools."""
+    rc, _, fleet = run_main(monkeypatch, tmp_path, {"refuse": {"c"}}, ["--batch", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and fleet.flags == ["a", "c"], err
+    assert " make rollout FROM=a BATCH=2\n" in err and "FROM=c" not in err, err
+    assert "out of them until a run succeeds: a, c" in err, err
+    assert fleet.unlocked and not fleet.locked  # the locks went with the driver
+
+
+def test_ctrl_c_prints_the_resume_line_and_unlocks(tmp_path, monkeypatch, capsys):
+    rc, _, fleet = run_main(monkeypatch, tmp_path, {"interrupt": "c"}, ["--batch", "2"])
+    err = capsys.readouterr().err
+    assert rc == 130 and "rollout: INTERRUPTED" in err, err
+    assert "in batch: a, c (any of them may be out of the edges' pools" in err, err
+    assert " make rollout FROM=a BATCH=2\n" in err, err
+    assert [b.name for b in fleet.unlocked] == ["a", "c", "b"]
+
+
+class LocalRemote:
+    """Runs the driver's lock commands with this machine's sh, as on a box."""
+
+    def run(self, command: str) -> tuple[int, str]:
+        result = _subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+        return result.returncode, (result.stdout if result.returncode == 0
+                                   else result.stdout + result.stderr)
+
+
+def local_fleet(tmp_path: Path, names: list[str]) -> rollout.Fleet:
+    boxes = [Box(n, {"install_root": str(tmp_path / n)}) for n in names]
+    fleet = rollout.Fleet(boxes, [])
+    fleet.remote = lambda host: LocalRemote()
+    return fleet
+
+
+def test_one_rollout_at_a_time(tmp_path, capsys):
+    """The lock is a directory on each box (mkdir is atomic): a second driver is refused at
+    the first box it shares with the holder, naming it, and keeps none of the locks it took;
+    a driver removes only its own; --unlock clears a stale one and says whose it was."""
+    first, second = local_fleet(tmp_path, ["a", "b"]), local_fleet(tmp_path, ["c", "a", "b"])
+    holder = rollout.new_holder()
+    assert "pid" in holder and "since" in holder
+    first.lock(first.boxes, holder)
+    lock = tmp_path / "a/state/rollout.lock"
+    assert (lock / "holder").read_text() == holder + "\n"
+    with pytest.raises(rollout.RolloutLocked) as refused:
+        second.lock(second.boxes, "someone else")
+    assert str(refused.value) == (f"a: another rollout holds {lock}: {holder}")
+    assert not (tmp_path / "c/state/rollout.lock").exists()  # released on refusal
+    second.locked = first.boxes
+    second.unlock("someone else")  # not its locks: they stay
+    assert lock.exists() and (tmp_path / "b/state/rollout.lock").exists()
+    (tmp_path / "d/state/rollout.lock").mkdir(parents=True)  # a driver that died at once
+    assert rollout.unlock_all(local_fleet(tmp_path, ["a", "c", "d"])) == 0
+    out = capsys.readouterr().out
+    assert (f"rollout: a: removed the lock of {holder}\nrollout: c: no lock\n"
+            "rollout: d: removed the lock of (no holder written)\n") in out, out
+    assert not (tmp_path / "d/state/rollout.lock").exists()
+    assert not lock.exists()
+    first.unlock(holder)
+    assert not (tmp_path / "b/state/rollout.lock").exists()
+    # A holder string is one quoted shell word, whatever it holds.
+    odd = "o'brien; rm -rf / $(x)"
+    first.lock(first.boxes[:1], odd)
+    assert (lock / "holder").read_text() == odd + "\n"
+    first.unlock(odd)
+    assert not lock.exists()
+
+
 # --- the edge's view of a box, read from real Caddy (2.11 from PyPI, the distro's 2.6.2) -------
 import http.server  # noqa: E402
 import json  # noqa: E402

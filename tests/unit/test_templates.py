@@ -231,6 +231,7 @@ def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/client-ca.crt",
+                     "etc/caddy/tls/client-edge-1.crt", "etc/caddy/tls/client-operator-accept.crt",
                      "etc/caddy/tls/qwen-3090.crt",
                      "etc/caddy/tls/qwen-3090.key",
                      "etc/systemd/system/caddy.service.d/uncloseai.conf",

@@ -13,11 +13,12 @@ from donorkit.paths import repo_path
 
 
 def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
-    """Some edge's client certificate and key in this machine's PKI folder, or None."""
-    for cert in sorted((repo_path(data["pki_dir"]) / "edges").glob("*.crt")):
-        key = cert.with_suffix(".key")
-        if key.is_file():
-            return cert, key
+    """The client certificate and key, in this machine's PKI folder, of a client the donor
+    trusts (a current edge or the operator: fleet.py's `trusted_clients`), or None."""
+    for name in data["trusted_clients"]:
+        cert = repo_path(data["pki_dir"]) / "edges" / f"{name}.crt"
+        if cert.is_file() and cert.with_suffix(".key").is_file():
+            return cert, cert.with_suffix(".key")
     return None
 
 
