@@ -11,12 +11,13 @@
 #                                     a stale rollout lock
 #   make accept [LIMIT=host] [VIA=url] acceptance run per donor through its public hostname
 #                                     (records under results/accept; non-zero below baseline)
+#   make gpu-engine-carry             what the real-engine GPU harness carries (docs/gpu.md)
 
 VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv test testbed verify render lint rollout accept
+.PHONY: venv test testbed verify render lint rollout accept gpu-engine-carry
 
 venv: $(VENV)/.installed
 
@@ -47,3 +48,6 @@ rollout: venv
 
 accept: venv
 	$(BIN)/python -m donorkit.accept $(if $(LIMIT),--limit "$(LIMIT)") $(if $(VIA),--via "$(VIA)")
+
+gpu-engine-carry: venv
+	$(BIN)/python gpu/engine_carry.py
