@@ -31,14 +31,13 @@ byte-level, Qwen's <tool_call> tags, which Hermes-3 uses too).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from tests.testbed.tiny_model import ADDED_TOKENS, CHAT_TEMPLATE, EOS, PAD, build_tokenizer
+from tests.testbed.tiny_model import write_text_files
 
 VOCAB = 512
 MAX_POSITIONS = 65536  # >= qwen's 65536 and hermes' 64000 (defaults.yml max_model_len)
@@ -58,7 +57,7 @@ QWEN_HYBRID = {
     "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
     "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-6,
     "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
-    "attention_bias": False, "torch_dtype": "float16",
+    "attention_bias": False, "torch_dtype": "float16", "bos_token_id": None,
 }
 QWEN_DENSE = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -67,6 +66,7 @@ QWEN_DENSE = {
     "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS,
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
     "attention_bias": False, "use_sliding_window": False, "torch_dtype": "float16",
+    "bos_token_id": None,
 }
 HERMES_AWQ = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -74,31 +74,11 @@ HERMES_AWQ = {
     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
     "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False,
-    "mlp_bias": False, "torch_dtype": "float16",
+    "mlp_bias": False, "torch_dtype": "float16", "bos_token_id": None,
     "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
                             "zero_point": True, "version": "gemm"},
 }
 AWQ_GROUP, AWQ_PACK = 128, 8  # 8 four-bit values per int32
-
-
-def _common_files(out: Path, config: dict) -> None:
-    tok = build_tokenizer()
-    ids = {t: tok.token_to_id(t) for t, _ in ADDED_TOKENS}
-    config = {**config, "eos_token_id": ids[EOS], "pad_token_id": ids[PAD],
-              "bos_token_id": None}
-    files = {
-        "config.json": json.dumps(config, indent=2, sort_keys=True) + "\n",
-        "generation_config.json": json.dumps({"eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
-                                             indent=2, sort_keys=True) + "\n",
-        "tokenizer.json": tok.to_str(pretty=True) + "\n",
-        "tokenizer_config.json": json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD,
-            "bos_token": None, "model_max_length": MAX_POSITIONS,
-            "clean_up_tokenization_spaces": False}, indent=2, sort_keys=True) + "\n",
-        "chat_template.jinja": CHAT_TEMPLATE,
-    }
-    for name, text in files.items():
-        (out / name).write_text(text)
 
 
 def _transformers_checkpoint(out: Path, config: dict, seed: int) -> None:
@@ -167,7 +147,7 @@ def write_all(out: Path) -> None:
     for name, (config, make, seed) in CHECKPOINTS.items():
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
-        _common_files(folder, config)
+        write_text_files(folder, config)
         make(folder, config, seed)
         for path in folder.iterdir():
             path.chmod(0o644)  # read by the service user on the GPU machine

@@ -169,9 +169,19 @@ def write(out: Path) -> str:
     return its revision on the stand-in hub (40 hex digits)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    write_text_files(out, CONFIG)
+    save_file(_weights(np.random.default_rng(SEED)), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the files are public
+    return revision(out)
+
+
+def write_text_files(out: Path, config: dict) -> None:
+    """Everything but the weights: the config (with the tokenizer's special ids), the generation
+    config, the tokenizer and its chat template (also used by gpu/tiny_checkpoints.py)."""
     tok = build_tokenizer()
     ids = {t: tok.token_to_id(t) for t, _ in ADDED_TOKENS}
-    config = {**CONFIG, "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+    config = {**config, "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     files = {
         "config.json": json.dumps(config, indent=2, sort_keys=True) + "\n",
         "generation_config.json": json.dumps({"eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
@@ -179,16 +189,12 @@ def write(out: Path) -> str:
         "tokenizer.json": tok.to_str(pretty=True) + "\n",
         "tokenizer_config.json": json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD,
-            "bos_token": None, "model_max_length": CONFIG["max_position_embeddings"],
+            "bos_token": None, "model_max_length": config["max_position_embeddings"],
             "clean_up_tokenization_spaces": False}, indent=2, sort_keys=True) + "\n",
         "chat_template.jinja": CHAT_TEMPLATE,
     }
     for name, text in files.items():
         (out / name).write_text(text)
-    save_file(_weights(np.random.default_rng(SEED)), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the files are public
-    return revision(out)
 
 
 def revision(folder: Path) -> str:
