@@ -239,7 +239,9 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
     """Step 4: a wheel built on this box, copied back to the operator's cache when the cache
     lacks it; it enters the cache only if it matches its sidecar. (A converged box's step only
     looks for the entry: hashing a wheel of tens of MB on every run, for every box, is waste.)
-    In change detection before a build, the build's wheel counts as on the box."""
+    In change detection before a build, the build's wheel counts as on the box. Each box
+    downloads under its own temporary names; the first whole copy of a stack becomes the entry
+    and a failure to cache stops this box only, with one line (wheel_cache.commit_entry)."""
     stack = box_stack(build, box, cuda)
     if wheel_cache.has_entry(stack.entry, stack.wheel):
         host.noop(f"exllamav3 stack {stack.id} is cached")
@@ -248,9 +250,10 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
         host.noop(f"exllamav3 stack {stack.id} installed; the box no longer has its wheel")
         return
     entry, wheel = str(stack.entry), stack.wheel
+    tmp_wheel, tmp_sidecar = wheel_cache.download_names(wheel, host.name)
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
-    yield FileDownloadCommand(stack.remote_wheel, f"{entry}/.{wheel}.download")
-    yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/.{wheel}.sha256.download")
+    yield FileDownloadCommand(stack.remote_wheel, f"{entry}/{tmp_wheel}")
+    yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/{tmp_sidecar}")
     yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key), {})
 
 
