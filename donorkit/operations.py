@@ -29,10 +29,12 @@ q = shlex.quote
 
 @operation()
 def host_matches_inventory(profile: dict, supported_distros: list[str], card: dict,
-                           require_nvidia_smi: bool, driver_minimum: str):
+                           require_nvidia_smi: bool, driver_minimum: str,
+                           driver_cuda: str | None = None):
     """Refuse a box whose distro, GPU or NVIDIA driver (`profile`: the HostProfile fact, read
     when the deploy loads) is not what the inventory's card profile needs, before anything is
-    installed on it."""
+    installed on it. `driver_cuda`: the CUDA version that sets `driver_minimum` (the card's
+    toolkit unless its venv's CUDA variant needs a newer driver)."""
     if profile["distro"] not in supported_distros:
         fail(f"distro {profile['distro'] or 'unknown'} is not supported "
              f"(supported: {', '.join(supported_distros)})")
@@ -60,8 +62,11 @@ def host_matches_inventory(profile: dict, supported_distros: list[str], card: di
              f"{card['arch']}")
     driver = gpu.get("driver_version")
     if not driver_at_least(driver, driver_minimum):
+        cuda = driver_cuda or card["cuda"]
+        what = (f"CUDA {cuda}" if cuda == card["cuda"] else
+                f"CUDA {cuda}, which its vLLM build ({card.get('vllm_variant')}) runs")
         fail(f"NVIDIA driver {driver or 'unknown'} is older than {driver_minimum}, the minimum "
-             f"for CUDA {card['cuda']} (card profile '{card['name']}'): upgrade the driver; "
+             f"for {what} (card profile '{card['name']}'): upgrade the driver; "
              "nothing was installed")
     host.noop(f"{card['name']} present, driver {driver} (>= {driver_minimum}), "
               f"distro {profile['distro']}")

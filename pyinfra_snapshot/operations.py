@@ -216,28 +216,50 @@ def system_user(user: str, home: str, shell: str, account: dict | None):
 
 @operation(installed=lambda op: need(VenvDistributions, venv_dir=op.venv_dir))
 def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
-                  install_args: list[str] | None = None, install: list[str] | None = None):
-    """Each requirement (`name==version` and the like) satisfied in the venv; pip installs them
-    all together when any is not, so its resolver sees the whole set: `install` when given (the
-    same requirements, some as direct references: `vllm @ <wheel URL>`), else `packages`.
-    `install_args`: pip's own options (e.g. --index-url URL), each an argument."""
+                  install_args: list[str] | None = None, install: list[str] | None = None,
+                  uv: str | None = None):
+    """Each requirement (`name==version` and the like) satisfied in the venv (the distributions
+    its site-packages holds); the installer installs them all together when any is not, so its
+    resolver sees the whole set: `install` when given (the same requirements, some as direct
+    references: `name @ <wheel URL>`), else `packages`. `install_args`: the installer's own
+    options (e.g. --index-url URL), each an argument.
+
+    `uv` (a requirement, `uv==0.13.9`): install with uv, itself installed into the venv by the
+    venv's pip from the same index when the venv lacks that version (so the box needs no other
+    source); uv uses the box's own certificate store, as pip does. None: the venv's pip."""
     from packaging.requirements import InvalidRequirement, Requirement
 
-    unmet = []
-    for spec in packages:
+    def parsed(spec: str) -> Requirement:
         try:
-            requirement = Requirement(spec)
+            return Requirement(spec)
         except InvalidRequirement as exc:
             fail(f"venv package {spec!r} is not a pip requirement: {exc}")
+
+    def met(requirement: Requirement) -> str | None:
+        """None when satisfied, else what the venv has."""
         version = installed.get(normalized_name(requirement.name))
         # `==2.11.0` accepts 2.11.0+cu130, as pip does: the index's local tag is not a mismatch.
         if version is None or not requirement.specifier.contains(version, prereleases=True):
-            unmet.append(f"{requirement.name} ({version or 'absent'})")
+            return f"{requirement.name} ({version or 'absent'})"
+        return None
+
+    unmet = [m for m in (met(parsed(spec)) for spec in packages) if m]
     if not unmet:
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
-    yield " ".join([q(f"{venv_dir}/bin/pip"), "install", "-q",
-                    *map(q, install_args or []), *map(q, install or packages)])
+    pip, specs = q(f"{venv_dir}/bin/pip"), [*map(q, install or packages)]
+    if uv is None:
+        yield " ".join([pip, "install", "-q", *map(q, install_args or []), *specs])
+        return
+    steps, args = [], install_args or []
+    if met(parsed(uv)):
+        # From the same index as the rest (PyPI, or the operator's mirror of it).
+        index = args[args.index("--index-url"):][:2] if "--index-url" in args else []
+        steps.append(" ".join([pip, "install", "-q", *map(q, index), q(uv)]))
+    steps.append(" ".join([q(f"{venv_dir}/bin/uv"), "pip", "install", "--python",
+                           q(f"{venv_dir}/bin/python"), "-q", "--system-certs",
+                           *map(q, args), *specs]))
+    yield " && ".join(steps)
 
 
 @operation(checkout=lambda op: need(GitCheckout, dest=op.dest, ref=op.ref))

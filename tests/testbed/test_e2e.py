@@ -139,16 +139,16 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while proc.poll() is None and time.monotonic() - started < 1500:
-            if ssh(good, "pgrep -f '[v]llm-venv/bin/pip install'", check=False).returncode == 0:
-                time.sleep(20)  # well into the download/unpack of vllm and torch
+            if ssh(good, "pgrep -f '[v]llm-venv/bin/uv pip install'", check=False).returncode == 0:
+                time.sleep(5)  # into the download/unpack of vllm and torch (uv is quick)
                 break
             time.sleep(1)
         assert proc.poll() is None, "the deploy ended before its venv step could be interrupted"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    # The controller died; its remote pip would be left running by sshd: end it as a crash would.
-    ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
+    # The controller died; its remote uv would be left running by sshd: end it as a crash would.
+    ssh(good, "pkill -9 -f '[v]llm-venv/bin/uv' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
     # A first-boot box: tb-3090's apt locks are held for 30 s as the deploy starts. Its apt
