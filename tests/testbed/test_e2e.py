@@ -397,7 +397,7 @@ def test_a_batch_of_boxes_of_one_stack_in_one_run(hosts: dict[str, Host]) -> Non
     assert digest in built.values(), (digest, built)  # one box's wheel, whole
     for name in batch:
         imported = ssh(hosts[name], "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
-                                    "'import exllamav3_ext; print(exllamav3_ext.__file__)'")
+                                    "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'")
         assert "exllamav3_ext" in imported.stdout
     rc, report, log = deploy("--limit", GOOD, "--limit", SECOND)
     assert rc == 0 and report["results"]["totals"]["success"] == 0, log[-4000:]
