@@ -9,7 +9,9 @@ to install)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -54,12 +56,34 @@ def host_data(tmp_path: Path, card: str) -> dict:
     return load_fleet(donors)["box-a"]
 
 
-def commands(data: dict, installed: dict[str, str]) -> list[str]:
-    found, _ = plan(venv_packages, {
-        "venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
-        "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-        "uv": f"uv=={data['uv_version']}"}, {"installed": installed})
+STAMP = f"{VENV}/.uncloseai-installed"
+
+
+def commands(data: dict, installed: dict[str, str], stamp_sha256: str | None = "as written",
+             strip: bool = True) -> list[str]:
+    """The venv step's commands; `stamp_sha256`: the completion stamp's digest on the box
+    ("as written": what this step's own command writes, i.e. the last install finished; None:
+    no stamp). With `strip`, the stamp's removal and writing are checked and cut off."""
+    args = {"venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
+            "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
+            "uv": f"uv=={data['uv_version']}"}
+    if stamp_sha256 == "as written":
+        stamp_sha256 = written_stamp(commands(data, {}, None, strip=False)[0])
+    done = {STAMP: {"type": "regular file", "sha256": stamp_sha256}} if stamp_sha256 else {}
+    found, _ = plan(venv_packages, args, {"installed": installed, "done": done})
+    if strip and found:
+        assert len(found) == 1 and found[0].startswith(f"rm -f {STAMP} && "), found
+        head, tail = found[0].removeprefix(f"rm -f {STAMP} && ").rsplit(" && printf %s ", 1)
+        assert re.fullmatch(rf"[0-9a-f]{{64}} > {re.escape(STAMP)}", tail), tail
+        found = [head]
     return found
+
+
+def written_stamp(command: str) -> str:
+    """sha256 of the stamp the command's last step writes, run in a real shell."""
+    printf = "printf %s " + command.rsplit(" && printf %s ", 1)[1].split(" > ")[0]
+    out = subprocess.run(["sh", "-c", printf], capture_output=True, check=True).stdout
+    return hashlib.sha256(out).hexdigest()
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -81,6 +105,21 @@ def test_3090_venv_is_converged_only_with_the_cu129_build(tmp_path: Path) -> Non
     assert commands(data, {**stack, "torch": "2.11.0+cu130", "vllm": "0.26.0+cu129"}) == [
         GET_UV + EXPECTED["rtx3090"]]
     assert data["vllm_installed_version"] == "0.26.0+cu129"
+
+
+def test_an_install_that_did_not_finish_is_done_again(tmp_path: Path) -> None:
+    """uv installs in no order: a run killed during it can leave vllm and torch in place without
+    some of their dependencies (the testbed's interrupted run: libcusparseLt missing). Without
+    the completion stamp its command writes last, every requirement met is not converged."""
+    data = host_data(tmp_path, "rtx4090")
+    venv = {"vllm": "0.26.0", "torch": "2.11.0", "wheel": "0.48.0", "ninja": "1.13.2"}
+    assert commands(data, venv) == []
+    assert commands(data, venv, stamp_sha256=None) == [GET_UV + EXPECTED["rtx4090"]]
+    assert commands(data, dict(venv, uv=UV_VERSION), stamp_sha256="0" * 64) == [
+        EXPECTED["rtx4090"]]
+    # Another card's stamp (another set asked) is not this set's.
+    other = written_stamp(commands(host_data(tmp_path, "rtx3090"), {}, None, strip=False)[0])
+    assert commands(data, venv, stamp_sha256=other) == [GET_UV + EXPECTED["rtx4090"]]
 
 
 def test_4090_venv_converged_with_pypi_builds(tmp_path: Path) -> None:
