@@ -214,7 +214,7 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         role="donor",
         card=card,
         cuda_version=cuda,
-        driver_minimum=merged["cuda_driver_minimums"][cuda] if cuda else None,
+        **driver_minimum(merged["cuda_driver_minimums"], cuda, card.get("vllm_variant")),
         cuda_home=f"/usr/local/cuda-{cuda}" if cuda else None,
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}" if cuda else None,
         service_home=f"/home/{settings.service_user}",
@@ -402,27 +402,44 @@ def load_inventory(donors_path: Path | str | None = None,
     return fleet, edges
 
 
-def venv_install(data: dict) -> dict:
-    """What the venv step checks and what pip installs when a check fails, for one host.
+def driver_minimum(minimums: dict[str, str], cuda: str | None,
+                   variant: str | None) -> dict[str, str | None]:
+    """The oldest driver this box may have (`driver_minimum`) and the CUDA version that sets
+    it (`driver_minimum_cuda`): the higher of the toolkit's and the venv's variant's."""
+    if not cuda:
+        return {"driver_minimum": None, "driver_minimum_cuda": None}
+    needs = [(cuda, minimums[cuda])]
+    if variant:
+        runtime = schema.variant_cuda(variant)
+        needs.append((runtime, minimums[runtime]))
+    which, minimum = max(needs, key=lambda need: tuple(int(p) for p in need[1].split(".")))
+    return {"driver_minimum": minimum, "driver_minimum_cuda": which}
 
-    A card with a `vllm_variant` (vLLM's install docs: a CUDA-variant wheel from the GitHub
-    release plus PyTorch's index for that CUDA) gets vllm <version>+<variant> from
-    `vllm_release_wheel_url`; otherwise vllm from the card's index (PyPI's default build)."""
+
+def venv_install(data: dict) -> dict:
+    """What the venv step checks and what uv installs when a check fails, for one host.
+
+    A card with a `vllm_variant` (cu129) gets vllm and torch <version>+<variant>, from vLLM's
+    wheel index for the release (`vllm_variant_index_url`) and the card's extra indexes
+    (PyTorch's for that CUDA), as vLLM's variant install does; otherwise vllm and torch from the
+    card's index (PyPI's default builds)."""
     card, version = data["card"], data["vllm_version"]
     if card["engine"] == "cpu":
         return cpu_venv_install(card)
     variant = card.get("vllm_variant")
-    vllm = f"vllm=={version}+{variant}" if variant else f"vllm=={version}"
-    wheel_url = data["vllm_release_wheel_url"].format(version=version, variant=variant)
-    vllm_source = f"vllm @ {wheel_url}" if variant else vllm
-    rest = [f"torch=={data['torch_version']}", *data["venv_build_packages"]]
+    tag = f"+{variant}" if variant else ""
+    requirements = [f"vllm=={version}{tag}", f"torch=={data['torch_version']}{tag}",
+                    *data["venv_build_packages"]]
     extra = card["pip_extra_index_urls"]
+    if variant:
+        extra = [data["vllm_variant_index_url"].format(version=version, variant=variant), *extra]
+    strategy = card.get("pip_index_strategy")
     index_args = ["--index-url", card["pip_index_url"],
                   *(arg for url in extra for arg in ("--extra-index-url", url)),
+                  *(["--index-strategy", strategy] if strategy else []),
                   *trusted_host_args(card)]
-    return {"venv_requirements": [vllm, *rest], "venv_install_specs": [vllm_source, *rest],
-            "venv_index_args": index_args,
-            "vllm_installed_version": f"{version}+{variant}" if variant else version}
+    return {"venv_requirements": requirements, "venv_install_specs": requirements,
+            "venv_index_args": index_args, "vllm_installed_version": f"{version}{tag}"}
 
 
 def trusted_host_args(card: dict) -> list[str]:

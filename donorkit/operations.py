@@ -29,10 +29,12 @@ q = shlex.quote
 
 @operation()
 def host_matches_inventory(profile: dict, supported_distros: list[str], card: dict,
-                           require_nvidia_smi: bool, driver_minimum: str):
+                           require_nvidia_smi: bool, driver_minimum: str,
+                           driver_cuda: str | None = None):
     """Refuse a box whose distro, GPU or NVIDIA driver (`profile`: the HostProfile fact, read
     when the deploy loads) is not what the inventory's card profile needs, before anything is
-    installed on it."""
+    installed on it. `driver_cuda`: the CUDA version that sets `driver_minimum` (the card's
+    toolkit unless its venv's CUDA variant needs a newer driver)."""
     if profile["distro"] not in supported_distros:
         fail(f"distro {profile['distro'] or 'unknown'} is not supported "
              f"(supported: {', '.join(supported_distros)})")
@@ -60,8 +62,11 @@ def host_matches_inventory(profile: dict, supported_distros: list[str], card: di
              f"{card['arch']}")
     driver = gpu.get("driver_version")
     if not driver_at_least(driver, driver_minimum):
+        cuda = driver_cuda or card["cuda"]
+        what = (f"CUDA {cuda}" if cuda == card["cuda"] else
+                f"CUDA {cuda}, which its vLLM build ({card.get('vllm_variant')}) runs")
         fail(f"NVIDIA driver {driver or 'unknown'} is older than {driver_minimum}, the minimum "
-             f"for CUDA {card['cuda']} (card profile '{card['name']}'): upgrade the driver; "
+             f"for {what} (card profile '{card['name']}'): upgrade the driver; "
              "nothing was installed")
     host.noop(f"{card['name']} present, driver {driver} (>= {driver_minimum}), "
               f"distro {profile['distro']}")
@@ -239,7 +244,9 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
     """Step 4: a wheel built on this box, copied back to the operator's cache when the cache
     lacks it; it enters the cache only if it matches its sidecar. (A converged box's step only
     looks for the entry: hashing a wheel of tens of MB on every run, for every box, is waste.)
-    In change detection before a build, the build's wheel counts as on the box."""
+    In change detection before a build, the build's wheel counts as on the box. Each box
+    downloads under its own temporary names; the first whole copy of a stack becomes the entry
+    and a failure to cache stops this box only, with one line (wheel_cache.commit_entry)."""
     stack = box_stack(build, box, cuda)
     if wheel_cache.has_entry(stack.entry, stack.wheel):
         host.noop(f"exllamav3 stack {stack.id} is cached")
@@ -248,9 +255,10 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
         host.noop(f"exllamav3 stack {stack.id} installed; the box no longer has its wheel")
         return
     entry, wheel = str(stack.entry), stack.wheel
+    tmp_wheel, tmp_sidecar = wheel_cache.download_names(wheel, host.name)
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
-    yield FileDownloadCommand(stack.remote_wheel, f"{entry}/.{wheel}.download")
-    yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/.{wheel}.sha256.download")
+    yield FileDownloadCommand(stack.remote_wheel, f"{entry}/{tmp_wheel}")
+    yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/{tmp_sidecar}")
     yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key), {})
 
 

@@ -229,7 +229,7 @@ GitRef = Annotated[str, Field(max_length=200),
 Version = Annotated[str, _matching(r"[0-9][0-9A-Za-z.+-]*", "a version (e.g. 0.26.0)")]
 DriverVersion = Annotated[str, _matching(r"[0-9]+(\.[0-9]+)*", "an NVIDIA driver version "
                                                                "(e.g. 580.65.06)")]
-VllmVariant = Annotated[str, _matching(r"cu[0-9]{3}", "a CUDA variant like cu128")]
+VllmVariant = Annotated[str, _matching(r"cu[0-9]{3}", "a CUDA variant like cu129")]
 WheelUrlTemplate = Annotated[str, _matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{version\}|\{variant\})*)?",
     "an http(s) URL (may contain {version} and {variant})")]
@@ -611,7 +611,9 @@ class Card(Strict):
     cuda: CudaVersion | None = None         # toolkit under /usr/local/cuda-<cuda> (cuda engine)
     pip_index_url: Url                      # where pip finds this CUDA variant of torch/vLLM
     pip_extra_index_urls: list[Url]
-    vllm_variant: VllmVariant | None = None  # vLLM's CUDA-variant release wheel (cu128), if any
+    vllm_variant: VllmVariant | None = None  # vLLM's CUDA-variant build (cu129), if any
+    pip_index_strategy: Literal["first-index", "unsafe-first-match",
+                                "unsafe-best-match"] | None = None  # uv's, several indexes
     pip_find_links: list[Url] = []          # pip --find-links pages (cpu engine: torch's build)
     pip_trusted_hosts: list[SshHost] = []   # hosts (name or IP) pip may use over plain http
     packages: list[PipRequirement] = []     # cpu engine: vLLM and torch as pinned requirements
@@ -701,7 +703,8 @@ class Defaults(Strict):
     venv_python: Executable
     vllm_version: Version
     torch_version: Version
-    vllm_release_wheel_url: WheelUrlTemplate
+    vllm_variant_index_url: WheelUrlTemplate
+    uv_version: Version
     venv_build_packages: list[PipRequirement]
     vllm_executable: ExecutableTemplate
     exllamav3_git_url: GitUrl
@@ -810,6 +813,11 @@ def deep_merge(base: dict, override: dict, top: bool = True) -> dict:
     return merged
 
 
+def variant_cuda(variant: str | None) -> str | None:
+    """The CUDA version a build variant runs: cu129 -> 12.9, cu130 -> 13.0."""
+    return f"{variant[2:-1]}.{variant[-1]}" if variant else None
+
+
 def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, str] | None:
     """Each of these cards' CUDA version has a driver minimum (the preflight compares with it)."""
     for name in cards:
@@ -824,10 +832,10 @@ def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, st
         if missing or card.packages or card.requirements_file:
             return f"cards.{name}", ("a cuda engine needs gpu_name, arch and cuda, and takes no "
                                      "packages or requirements_file")
-        cuda = card.cuda
-        if cuda not in defaults.cuda_driver_minimums:
-            return f"cards.{name}.cuda", (f"CUDA {cuda} has no driver minimum (a version like "
-                                          "580.65.06) under cuda_driver_minimums")
+        for field, cuda in (("cuda", card.cuda), ("vllm_variant", variant_cuda(card.vllm_variant))):
+            if cuda and cuda not in defaults.cuda_driver_minimums:
+                return f"cards.{name}.{field}", (f"CUDA {cuda} has no driver minimum (a version "
+                                                 "like 580.65.06) under cuda_driver_minimums")
     return None
 
 

@@ -14,7 +14,9 @@ Cache layout (on the operator's machine, under the git-ignored `exllamav3_wheel_
 
 The sidecar is `sha256sum` output; it is checked before an upload (here) and after it (on the
 box, before pip sees the file). Entries are only ever created by rename, sidecar last, under a
-lock: a partial or corrupt download never becomes an entry.
+lock: a partial or corrupt download never becomes an entry. Each box downloads under its own
+temporary names (download_names): boxes of one stack copying back in one run do not collide,
+and the first whole copy becomes the entry.
 """
 
 from __future__ import annotations
@@ -134,37 +136,73 @@ def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
     return path, want
 
 
-def prepare_entry(state: object, host: object, entry_dir: str) -> None:
-    """FunctionCommand: make the entry's directory (downloads land in it under temporary names)."""
-    Path(entry_dir).mkdir(parents=True, exist_ok=True)
+def download_names(wheel: str, box: str) -> tuple[str, str]:
+    """This box's temporary names, in the entry's directory, for the wheel and its sidecar it
+    copies back: one pair per box (`box`: the inventory's host name, hashed into the name), so
+    boxes of one stack copying back in the same run never write or move each other's files."""
+    tag = hashlib.sha256(box.encode()).hexdigest()[:12]
+    return f".{wheel}.{tag}.download", f".{wheel}.{tag}.sha256.download"
 
 
-def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str) -> None:
-    """FunctionCommand: move a downloaded wheel and sidecar into the cache if they match.
-
-    The downloads are `.<wheel>.download` and `.<wheel>.sha256.download`; the wheel is renamed
-    into place first and the sidecar last, under a lock, so readers see a whole entry or none.
-    When two boxes of one stack built in the same run, the first entry stays and the second
-    download is dropped (both wheels are equally good; each was installed on its own box)."""
+def commit_download(entry_dir: str, wheel: str, key: str, box: str) -> bool:
+    """Move `box`'s downloaded wheel and sidecar into the cache if they match; True when they
+    became the entry, False when an entry was already there (the first whole copy wins: boxes
+    of one stack that built in the same run made equally good wheels, each installed on its
+    own box). The wheel is renamed into place first and the sidecar last, under a lock, so
+    readers see a whole entry or none. This box's downloads are removed either way. Raises
+    WheelCacheError (or OSError) when the download does not match its sidecar."""
     entry = Path(entry_dir)
-    tmp_wheel, tmp_sidecar = entry / f".{wheel}.download", entry / f".{wheel}.sha256.download"
+    names = download_names(wheel, box)
+    tmp_wheel, tmp_sidecar = entry / names[0], entry / names[1]
     try:
         want = sidecar_sha256(tmp_sidecar, wheel)
         found = file_sha256(tmp_wheel)
         if found != want:
-            raise WheelCacheError(f"downloaded {wheel} from {getattr(host, 'name', 'the box')} "
-                                  f"has sha256 {found}, the box's sidecar says {want}: "
-                                  "not cached")
+            raise WheelCacheError(f"downloaded {wheel} has sha256 {found}, the box's sidecar "
+                                  f"says {want}")
         with (entry.parent / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if cached_wheel(entry, wheel):
-                    return
+                    return False
             except WheelCacheError:
                 pass  # a corrupt entry is replaced by this verified one
             (entry / "stack.txt").write_text(key + "\n")
             os.replace(tmp_wheel, entry / wheel)
             os.replace(tmp_sidecar, entry / f"{wheel}.sha256")
+            return True
     finally:
         for leftover in (tmp_wheel, tmp_sidecar):
             leftover.unlink(missing_ok=True)
+
+
+# The two steps below run on the operator's machine inside the deploy (pyinfra FunctionCommands,
+# given pyinfra's State and the Host). A failure is this host's alone: one line in the run log
+# and False, which pyinfra takes as the operation failing on this host (an exception would be
+# printed with its traceback).
+
+def _refuse(host: object, message: str) -> bool:
+    from pyinfra import logger
+    host.log_styled(f"exllamav3 wheel cache: {message}", fg="red", log_func=logger.error)
+    return False
+
+
+def prepare_entry(state: object, host: object, entry_dir: str) -> bool:
+    """FunctionCommand: make the entry's directory (downloads land in it under this box's
+    temporary names)."""
+    try:
+        Path(entry_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _refuse(host, f"cannot create {entry_dir}: {exc.strerror}")
+    return True
+
+
+def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str) -> bool:
+    """FunctionCommand: this box's downloaded wheel into the cache (commit_download)."""
+    try:
+        commit_download(entry_dir, wheel, key, host.name)
+    except WheelCacheError as exc:
+        return _refuse(host, f"{exc}: not cached")
+    except OSError as exc:
+        return _refuse(host, f"{exc.filename or entry_dir}: {exc.strerror}: not cached")
+    return True

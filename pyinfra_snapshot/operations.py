@@ -214,30 +214,73 @@ def system_user(user: str, home: str, shell: str, account: dict | None):
         host.noop(f"user {user} is in place")
 
 
-@operation(installed=lambda op: need(VenvDistributions, venv_dir=op.venv_dir))
+VENV_STAMP = ".uncloseai-installed"
+
+
+def _venv_stamp(venv_dir: str) -> str:
+    return f"{venv_dir}/{VENV_STAMP}"
+
+
+@operation(installed=lambda op: need(VenvDistributions, venv_dir=op.venv_dir),
+           done=lambda op: need(PathStates, paths=[_venv_stamp(op.venv_dir)],
+                                digest=[_venv_stamp(op.venv_dir)]) if op.uv else None)
 def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
-                  install_args: list[str] | None = None, install: list[str] | None = None):
-    """Each requirement (`name==version` and the like) satisfied in the venv; pip installs them
-    all together when any is not, so its resolver sees the whole set: `install` when given (the
-    same requirements, some as direct references: `vllm @ <wheel URL>`), else `packages`.
-    `install_args`: pip's own options (e.g. --index-url URL), each an argument."""
+                  done: dict | None, install_args: list[str] | None = None,
+                  install: list[str] | None = None, uv: str | None = None):
+    """Each requirement (`name==version` and the like) satisfied in the venv (the distributions
+    its site-packages holds); the installer installs them all together when any is not, so its
+    resolver sees the whole set: `install` when given (the same requirements, some as direct
+    references: `name @ <wheel URL>`), else `packages`. `install_args`: the installer's own
+    options (e.g. --index-url URL), each an argument.
+
+    `uv` (a requirement, `uv==0.13.9`): install with uv, itself installed into the venv by the
+    venv's pip from the same index when the venv lacks that version (so the box needs no other
+    source); uv uses the box's own certificate store, as pip does. None: the venv's pip.
+    uv installs a set's distributions in parallel, in no order: killed midway, it can leave a
+    requirement's distribution in place without all of that distribution's own dependencies
+    (seen on the testbed: torch present, libcusparseLt missing). So with uv, a completion stamp
+    (`<venv>/.uncloseai-installed`, the digest of what was asked) is removed before installing
+    and written after uv succeeded, and the set is met only with the distributions AND the
+    stamp (read through the snapshot: no extra remote command)."""
     from packaging.requirements import InvalidRequirement, Requirement
 
-    unmet = []
-    for spec in packages:
+    def parsed(spec: str) -> Requirement:
         try:
-            requirement = Requirement(spec)
+            return Requirement(spec)
         except InvalidRequirement as exc:
             fail(f"venv package {spec!r} is not a pip requirement: {exc}")
+
+    def met(requirement: Requirement) -> str | None:
+        """None when satisfied, else what the venv has."""
         version = installed.get(normalized_name(requirement.name))
         # `==2.11.0` accepts 2.11.0+cu130, as pip does: the index's local tag is not a mismatch.
         if version is None or not requirement.specifier.contains(version, prereleases=True):
-            unmet.append(f"{requirement.name} ({version or 'absent'})")
-    if not unmet:
+            return f"{requirement.name} ({version or 'absent'})"
+        return None
+
+    unmet = [m for m in (met(parsed(spec)) for spec in packages) if m]
+    args = install_args or []
+    asked = hashlib.sha256(" ".join([*args, *(install or packages)]).encode()).hexdigest()
+    stamp = _venv_stamp(venv_dir)
+    finished = uv is None or (done or {}).get(stamp, {}).get("sha256") == hashlib.sha256(
+        asked.encode()).hexdigest()
+    if not unmet and finished:
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
-    yield " ".join([q(f"{venv_dir}/bin/pip"), "install", "-q",
-                    *map(q, install_args or []), *map(q, install or packages)])
+    pip, specs = q(f"{venv_dir}/bin/pip"), [*map(q, install or packages)]
+    if uv is None:
+        yield " ".join([pip, "install", "-q", *map(q, args), *specs])
+        return
+    steps = [f"rm -f {q(stamp)}"]
+    if met(parsed(uv)):
+        # From the same index as the rest (PyPI, or the operator's mirror of it).
+        index = args[args.index("--index-url"):][:2] if "--index-url" in args else []
+        steps.append(" ".join([pip, "install", "-q", *map(q, index), q(uv)]))
+    steps.append(" ".join([q(f"{venv_dir}/bin/uv"), "pip", "install", "--python",
+                           q(f"{venv_dir}/bin/python"), "-q", "--system-certs",
+                           *map(q, args), *specs]))
+    steps.append(f"printf %s {asked} > {q(stamp)}")
+    yield " && ".join(steps)
 
 
 @operation(checkout=lambda op: need(GitCheckout, dest=op.dest, ref=op.ref))

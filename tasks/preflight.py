@@ -1,5 +1,7 @@
 """Preflight: the distro is supported, the GPU is the card the inventory names, and its NVIDIA
-driver is new enough for the card profile's CUDA: before anything is installed."""
+driver is new enough for the card profile's CUDA (its toolkit's, or the venv's CUDA variant's
+when that needs a newer driver: inventory/defaults.yml cuda_driver_minimums): before anything is
+installed."""
 
 from pyinfra import host
 
@@ -13,4 +15,5 @@ host_matches_inventory(
     card=host.data.card,
     require_nvidia_smi=host.data.require_nvidia_smi,
     driver_minimum=host.data.driver_minimum,
+    driver_cuda=host.data.driver_minimum_cuda,
 )

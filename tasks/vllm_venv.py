@@ -1,5 +1,6 @@
-"""The vLLM venv: pinned vllm and torch from the card profile's wheel variant, root-owned, and
-a check that torch's CUDA major matches the toolkit's nvcc (PyTorch refuses to build otherwise)."""
+"""The vLLM venv: pinned vllm and torch from the card profile's wheel variant, installed with uv
+(pinned, put in the venv by its pip), root-owned, and a check that torch's CUDA major matches
+the toolkit's nvcc (PyTorch refuses to build otherwise)."""
 
 from pyinfra import host
 
@@ -15,6 +16,7 @@ venv_packages(
     packages=host.data.venv_requirements,
     install=host.data.venv_install_specs,
     install_args=host.data.venv_index_args,
+    uv=f"uv=={host.data.uv_version}",
 )
 if host.data.card["engine"] == "cuda":
     torch_matches_nvcc(

@@ -15,6 +15,8 @@ from .rootfs import BASE
 
 HOSTS_DIR = WORK / "hosts"
 PIP_CACHE = WORK / "pip-cache"
+# uv's cache (the venv step installs with uv), kept between runs as pip's is.
+UV_CACHE = WORK / "uv-cache"
 LOGS = WORK / "logs"
 
 
@@ -55,6 +57,7 @@ def _personalize(root: Path, name: str, pubkey: str) -> None:
 def boot(name: str, ns: str) -> subprocess.Popen:
     """Start the container detached (own session): `up` from the CLI returns while hosts run on."""
     PIP_CACHE.mkdir(parents=True, exist_ok=True)
+    UV_CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
     # nspawn gives /tmp a small tmpfs; pip holds GBs of torch/CUDA wheels there before installing,
     # as it would on a donor's disk-backed /tmp: give the host a disk-backed /tmp.
@@ -64,6 +67,7 @@ def boot(name: str, ns: str) -> subprocess.Popen:
     cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit",
            f"--network-namespace-path=/run/netns/{ns}", f"--machine={name}",
            f"--directory={host_dir(name) / 'root'}", f"--bind={PIP_CACHE}:/root/.cache/pip",
+           f"--bind={UV_CACHE}:/root/.cache/uv",
            f"--bind={tmp}:/tmp",
            "--resolv-conf=off", "--link-journal=no", "--console=read-only"]
     out = open(LOGS / f"{name}.console.log", "wb")

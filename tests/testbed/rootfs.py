@@ -75,6 +75,7 @@ def _customize(root: Path) -> None:
         shutil.copyfile(STANDINS / name, standin)
         standin.chmod(0o755)
     (root / "root/.cache/pip").mkdir(parents=True, exist_ok=True)
+    (root / "root/.cache/uv").mkdir(parents=True, exist_ok=True)
 
 
 def _copy_resolv_conf(root: Path) -> None:

@@ -16,6 +16,7 @@ What each host must end as:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -139,16 +140,16 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while proc.poll() is None and time.monotonic() - started < 1500:
-            if ssh(good, "pgrep -f '[v]llm-venv/bin/pip install'", check=False).returncode == 0:
-                time.sleep(20)  # well into the download/unpack of vllm and torch
+            if ssh(good, "pgrep -f '[v]llm-venv/bin/uv pip install'", check=False).returncode == 0:
+                time.sleep(5)  # into the download/unpack of vllm and torch (uv is quick)
                 break
             time.sleep(1)
         assert proc.poll() is None, "the deploy ended before its venv step could be interrupted"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    # The controller died; its remote pip would be left running by sshd: end it as a crash would.
-    ssh(good, "pkill -9 -f '[v]llm-venv/bin/pip' || true")
+    # The controller died; its remote uv would be left running by sshd: end it as a crash would.
+    ssh(good, "pkill -9 -f '[v]llm-venv/bin/uv' || true")
     TIMES["interrupted run"] = time.monotonic() - started
 
     # A first-boot box: tb-3090's apt locks are held for 30 s as the deploy starts. Its apt
@@ -361,6 +362,45 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     imported = ssh(second, "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
                            "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'").stdout
     assert "exllamav3_ext" in imported
+
+
+def test_a_batch_of_boxes_of_one_stack_in_one_run(hosts: dict[str, Host]) -> None:
+    """Issue 22: boxes of one stack that all lack the wheel, deployed together, the way an
+    operator adds a batch of donors. With the cache empty and the exllamav3 state of tb-4090 and
+    tb-4090b wiped (stamp, the box's wheels, the clone), one run deploys both: each builds and
+    copies back under its own temporary names; both converge; the cache holds one whole entry
+    (one box's wheel, its sidecar matching), no temporary file, and the log no traceback. (They
+    shared one temporary name before: `bench/noop_rerun.py --hosts 4` ended with tracebacks and
+    `No hosts remaining!`.)"""
+    cache = REPO_ROOT / ".testbed/wheel-cache"
+    shutil.rmtree(cache)
+    batch = [GOOD, SECOND]
+    for name in batch:
+        ssh(hosts[name], "rm -rf /opt/uncloseai/state/exllamav3.stack /opt/uncloseai/wheels "
+                         "/opt/uncloseai/src/exllamav3")
+    rc, report, log = deploy("--limit", GOOD, "--limit", SECOND)
+    TIMES["batch of 2, both building"] = report["elapsed"]
+    assert rc == 0, log[-6000:]
+    for name in batch:
+        assert "exllamav3: build v1.5.1 for arch 8.9 (no cached wheel)" in changed_ops(
+            report, name), (name, changed_ops(report, name))
+        assert "exllamav3: copy the wheel built here back to the cache" in changed_ops(
+            report, name)
+    assert "Traceback" not in log and "Unexpected error in Python callback" not in log, log
+    entries = [p for p in cache.rglob("*") if p.is_file() and p.name != ".lock"]
+    wheels = [p for p in entries if p.suffix == ".whl"]
+    assert len(wheels) == 1 and not [p for p in entries if p.name.endswith(".download")], entries
+    digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+    assert (wheels[0].parent / f"{wheels[0].name}.sha256").read_text().split()[0] == digest
+    built = {name: ssh(hosts[name], f"sha256sum /opt/uncloseai/wheels/*/{wheels[0].name}"
+                       ).stdout.split()[0] for name in batch}
+    assert digest in built.values(), (digest, built)  # one box's wheel, whole
+    for name in batch:
+        imported = ssh(hosts[name], "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
+                                    "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'")
+        assert "exllamav3_ext" in imported.stdout
+    rc, report, log = deploy("--limit", GOOD, "--limit", SECOND)
+    assert rc == 0 and report["results"]["totals"]["success"] == 0, log[-4000:]
 
 
 def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:

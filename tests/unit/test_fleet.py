@@ -145,7 +145,21 @@ def test_pyinfra_inventory_groups_by_card(tmp_path: Path) -> None:
 def test_each_card_gets_the_driver_minimum_of_its_cuda() -> None:
     fleet = load_fleet(DONORS_FILE)
     assert fleet["hermes-4090"]["driver_minimum"] == "580.65.06"  # CUDA 13.3: R580
-    assert fleet["qwen-3090"]["driver_minimum"] == "570.26"  # CUDA 12.8 GA
+    # Toolkit 12.8 (570.26), venv cu129: CUDA 12.9's runtime sets it (575.51.03, 12.9 GA).
+    assert (fleet["qwen-3090"]["driver_minimum"], fleet["qwen-3090"]["driver_minimum_cuda"]) == (
+        "575.51.03", "12.9")
+    assert fleet["hermes-4090"]["driver_minimum_cuda"] == "13.3"
+
+
+def test_a_variant_without_a_driver_minimum_is_refused(tmp_path: Path) -> None:
+    defaults = (REPO_ROOT / "inventory/defaults.yml").read_text()
+    broken = tmp_path / "defaults.yml"
+    broken.write_text(defaults.replace('  "12.9": "575.51.03"\n', ""))
+    with pytest.raises(FleetError) as caught:
+        load_fleet(DONORS_FILE, broken)
+    assert str(caught.value) == (f"{broken}: field 'cards.rtx3090.vllm_variant': CUDA 12.9 has "
+                                 "no driver minimum (a version like 580.65.06) under "
+                                 "cuda_driver_minimums")
 
 
 def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path) -> None:

@@ -4,13 +4,15 @@ stack key, the box fact (in a real shell), and the build script's all-or-nothing
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from pyinfra.api import FactBase
+from pyinfra.api import Config, FactBase, Inventory, State
+from pyinfra.api.host import Host
 
 from donorkit import wheel_cache
 from donorkit.facts import CudaStack
@@ -56,37 +58,108 @@ def test_sidecar_for_another_file_is_refused(tmp_path: Path) -> None:
         wheel_cache.cached_wheel(tmp_path / "e", WHEEL)
 
 
-def download(entry: Path, data: bytes, sidecar_data: bytes | None = None) -> None:
+def download(entry: Path, data: bytes, sidecar_data: bytes | None = None,
+             box: str = "box-a") -> None:
+    """What copy_wheel_back's downloads leave for `box`, under that box's temporary names."""
     entry.mkdir(parents=True, exist_ok=True)
-    (entry / f".{WHEEL}.download").write_bytes(data)
+    tmp_wheel, tmp_sidecar = wheel_cache.download_names(WHEEL, box)
+    (entry / tmp_wheel).write_bytes(data)
     digest = hashlib.sha256(data if sidecar_data is None else sidecar_data).hexdigest()
-    (entry / f".{WHEEL}.sha256.download").write_text(f"{digest}  {WHEEL}\n")
+    (entry / tmp_sidecar).write_text(f"{digest}  {WHEEL}\n")
 
 
-def test_verified_download_becomes_an_entry(tmp_path: Path) -> None:
+@pytest.fixture
+def boxes() -> dict[str, Host]:
+    """Real pyinfra hosts (with a State, as in a run), for the FunctionCommands' `host`."""
+    inventory = Inventory((["box-a", "box-b", "box-c", "box-d"], {}))
+    State(inventory, Config())
+    return {name: inventory.get_host(name) for name in ("box-a", "box-b", "box-c", "box-d")}
+
+
+def test_verified_download_becomes_an_entry(tmp_path: Path, boxes: dict[str, Host]) -> None:
     entry = tmp_path / "exllamav3" / "id"
     download(entry, b"built wheel")
-    wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
+    assert wheel_cache.commit_entry(None, boxes["box-a"], str(entry), WHEEL, "the key") is True
     assert wheel_cache.cached_wheel(entry, WHEEL)[0].read_bytes() == b"built wheel"
     assert (entry / "stack.txt").read_text() == "the key\n"
     assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
-def test_partial_download_never_enters_the_cache(tmp_path: Path) -> None:
+def test_each_box_downloads_under_its_own_names() -> None:
+    names = {box: wheel_cache.download_names(WHEEL, box) for box in ("box-a", "box-b")}
+    assert len({n for pair in names.values() for n in pair}) == 4
+    assert all(n.startswith(f".{WHEEL}.") and n.endswith(".download")
+               for pair in names.values() for n in pair)
+
+
+def test_partial_download_fails_that_box_with_one_line(
+        tmp_path: Path, boxes: dict[str, Host], caplog: pytest.LogCaptureFixture) -> None:
+    """A bad download is this host's failure (False: pyinfra fails the operation on that host
+    only), said in one line, no exception; another box's downloads in the same entry are not
+    touched and still commit."""
     entry = tmp_path / "exllamav3" / "id"
-    download(entry, b"built wh", sidecar_data=b"built wheel")
-    with pytest.raises(WheelCacheError, match=f"downloaded {WHEEL} .* not cached"):
-        wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
-    assert list(entry.iterdir()) == []  # the partial download is removed as well
+    download(entry, b"built wh", sidecar_data=b"built wheel", box="box-a")
+    download(entry, b"box b's wheel", box="box-b")
+    assert wheel_cache.commit_entry(None, boxes["box-a"], str(entry), WHEEL, "k") is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert "box-a" in errors[0] and f"downloaded {WHEEL} has sha256" in errors[0]
+    assert errors[0].endswith(": not cached")
+    assert not any(r.exc_info for r in caplog.records)
+    assert wheel_cache.cached_wheel(entry, WHEEL) is None  # nothing entered the cache
+    assert wheel_cache.commit_entry(None, boxes["box-b"], str(entry), WHEEL, "k") is True
+    assert (entry / WHEEL).read_bytes() == b"box b's wheel"
+    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
-def test_second_build_of_a_stack_keeps_the_first_entry(tmp_path: Path) -> None:
+def test_a_missing_download_fails_that_box_with_one_line(
+        tmp_path: Path, boxes: dict[str, Host], caplog: pytest.LogCaptureFixture) -> None:
+    """What the shared temporary name used to cause (another box had moved the file away):
+    now an OSError is one line for this host, not a traceback."""
+    entry = tmp_path / "exllamav3" / "id"
+    entry.mkdir(parents=True)
+    assert wheel_cache.commit_entry(None, boxes["box-c"], str(entry), WHEEL, "k") is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "No such file or directory" in errors[0], errors
+
+
+def test_an_entry_directory_that_cannot_be_made_fails_that_box(
+        tmp_path: Path, boxes: dict[str, Host], caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    assert wheel_cache.prepare_entry(None, boxes["box-a"], str(tmp_path / "file/id")) is False
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"][0].endswith(
+        f"cannot create {tmp_path / 'file/id'}: Not a directory")
+    assert wheel_cache.prepare_entry(None, boxes["box-a"], str(tmp_path / "ok/id")) is True
+
+
+def test_second_build_of_a_stack_keeps_the_first_entry(tmp_path: Path,
+                                                       boxes: dict[str, Host]) -> None:
     entry = tmp_path / "exllamav3" / "id"
     put_entry(entry, b"first box's wheel")
-    download(entry, b"second box's wheel")
-    wheel_cache.commit_entry(None, None, str(entry), WHEEL, "the key")
+    download(entry, b"second box's wheel", box="box-b")
+    assert wheel_cache.commit_entry(None, boxes["box-b"], str(entry), WHEEL, "k") is True
     assert (entry / WHEEL).read_bytes() == b"first box's wheel"
-    assert not (entry / f".{WHEEL}.download").exists()
+    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256"]
+
+
+def _commit_in_a_process(entry: str, box: str) -> bool:
+    return wheel_cache.commit_download(entry, WHEEL, "k", box)
+
+
+def test_boxes_committing_at_once_leave_one_whole_entry(tmp_path: Path) -> None:
+    """Four boxes of one stack, each with its own (different, all valid) wheel, commit from
+    separate processes at once: exactly one becomes the entry, whole (its sidecar matches it),
+    and no temporary file is left."""
+    entry = tmp_path / "exllamav3" / "id"
+    wheels = {f"box-{i}": os.urandom(4 << 20) for i in range(4)}
+    for box, data in wheels.items():
+        download(entry, data, box=box)
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        won = pool.starmap(_commit_in_a_process, [(str(entry), box) for box in wheels])
+    assert won.count(True) == 1
+    path, _ = wheel_cache.cached_wheel(entry, WHEEL)
+    assert path.read_bytes() == wheels[list(wheels)[won.index(True)]]
+    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
 def test_every_part_of_the_stack_changes_the_key() -> None:

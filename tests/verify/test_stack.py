@@ -30,7 +30,7 @@ def test_vllm_version(host: Host, data: dict) -> None:
     found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
     if found["vllm"] is None:
         missing(host, f"vllm is not installed in {data['venv_dir']}")
-    # A card's CUDA variant (vllm_variant) shows as the local tag: 0.26.0+cu128.
+    # A card's CUDA variant (vllm_variant) shows as the local tag: 0.26.0+cu129.
     assert found["vllm"] == data["vllm_installed_version"]
 
 
