@@ -28,7 +28,7 @@ import unicodedata
 from typing import Annotated, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # ------------------------------------------------------------------ value types --------------
 
@@ -391,6 +391,7 @@ class Defaults(Strict):
     caddy_tls_dir: AbsPath
     pki_dir: LocalPath
     pki_renew_days: Annotated[int, Field(ge=1, le=300)]
+    hf_endpoint_plain_http_test_standin: bool = False  # http:// allowed: a test stand-in only
     hf_endpoint: Url                        # the Hugging Face hub (or a mirror of its API)
     hf_token_file: LocalPath | None         # gated checkpoints' token (operator's machine)
     ready_timeout: Annotated[int, Field(ge=1, le=86400)]      # seconds the gate waits
@@ -402,6 +403,23 @@ class Defaults(Strict):
     edge_https_port: Port
     edge_proxy: EdgeProxy
     acceptance: AcceptanceSettings           # `make accept`: workload, tolerance, results
+
+
+    @field_validator("hf_endpoint")
+    @classmethod
+    def _hub_over_https(cls, url: str, info: ValidationInfo) -> str:
+        if url.startswith("http://") and not info.data.get("hf_endpoint_plain_http_test_standin"):
+            raise ValueError(f"{url!r} is plain http: the hub is https (a test stand-in of the "
+                             "hub may say hf_endpoint_plain_http_test_standin: true)")
+        return url
+
+    @field_validator("hf_token_file")
+    @classmethod
+    def _no_token_in_clear(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None and info.data.get("hf_endpoint", "").startswith("http://"):
+            raise ValueError("the token would cross the network in clear: hf_endpoint is plain "
+                             "http (use an https endpoint)")
+        return path
 
 
 class Donor(Strict):

@@ -183,3 +183,46 @@ def test_unknown_revision_and_bad_input(hub, tmp_path):
     assert "RevisionNotFoundError" in missing.stderr and len(missing.stderr.splitlines()) == 1
     bad = fetch(url, "main", tmp_path)
     assert bad.returncode == 2 and "is not a 40-hex commit hash" in bad.stderr
+
+
+# ------------------------------------------------------------------ a hostile hub -----------
+# The stand-in for the Hugging Face hub (tests/testbed/hub_standin.py) turned HOSTILE: the resolve
+# answer for one file carries a path-traversal ETag. huggingface_hub 2.4.0 builds the blob's path
+# from the ETag as it comes (blobs/<etag>): unchecked, the file lands outside the cache.
+
+@pytest.mark.parametrize(("name", "header"), [("config.json", "ETag"),
+                                              (SHARD, "X-Linked-Etag")])
+def test_a_hostile_hubs_traversal_etag_writes_nothing_outside_the_cache(
+        hub, tmp_path, name, header):
+    url, state = hub
+    rev = revision(state)
+    # blobs/../../../escaped = <home>/escaped: the service user's home on a box.
+    control(url, "etag", {"file": name, "etag": "../../../escaped"})
+    result = fetch(url, rev, tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert name in line and "../../../escaped" in line and "not a hash" in line, line
+    assert not (tmp_path / "escaped").exists()
+    assert not (tmp_path / "escaped.incomplete").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub", "manifests"]
+    assert fetch(url, rev, tmp_path, "--check").returncode == 1
+
+
+def test_a_snapshot_file_that_resolves_outside_the_cache_is_never_complete(
+        hub, checkpoint, tmp_path):
+    """The check after the download, whatever got past the ETag rule: every listed file must
+    resolve inside the model's cache (its blobs). A snapshot link pointing out is named."""
+    url, state = hub
+    rev = revision(state)
+    assert fetch(url, rev, tmp_path).returncode == 0
+    folder = tmp_path / "hub" / f"models--{REPO.replace('/', '--')}"
+    link = folder / "snapshots" / rev / "config.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(link.read_bytes())          # same size: a size check alone passes it
+    link.unlink()
+    link.symlink_to(os.path.relpath(outside, link.parent))
+    check = fetch(url, rev, tmp_path, "--check")
+    assert check.returncode == 1 and "config.json" in check.stdout, check.stdout
+    again = fetch(url, rev, tmp_path)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"config.json -> {outside}" in again.stderr and "outside" in again.stderr, again.stderr
