@@ -21,7 +21,8 @@ A hostile or broken hub cannot place files outside the model's cache: the client
 after the server's ETag, so every answer for a file must carry a plain hash (hex) as its ETag and
 a 40-hex X-Repo-Commit, or the fetch stops before anything is written; the listing's paths may
 not climb out of the snapshot; and after the download every listed file must resolve inside the
-model's own `blobs/`, or the step fails naming the file (and a `--check` never calls it complete).
+model's own cache (its `blobs/`, or the snapshot), or the step fails naming the file (and a
+`--check` never calls it complete).
 """
 
 from __future__ import annotations
@@ -79,16 +80,18 @@ def missing_files(snapshot: Path, files: dict[str, int]) -> list[str]:
 
 def escaped_files(folder: Path, revision: str, files) -> list[str]:
     """`path -> where it resolves` for each listed file of the snapshot that is not inside the
-    model's own blobs/ (a link out of the cache: a hostile ETag or listing, or a planted link)."""
-    blobs = (folder / "blobs").resolve()
+    model's cache: its blobs/ (the client's links) or the snapshot itself (a copy where links are
+    not made). A hostile ETag or listing, or a planted link, shows here."""
     snapshot = folder / "snapshots" / revision
+    real = folder.resolve()  # the blobs/ and snapshot folders themselves may not be links out
+    inside = [real / "blobs", real / "snapshots" / revision]
     escaped = []
     for path in files:
         entry = snapshot / path
         if not entry.exists() and not entry.is_symlink():
             continue  # missing: missing_files says so
         where = entry.resolve()
-        if not where.is_relative_to(blobs) or where == blobs:
+        if not any(where.is_relative_to(d) and where != d for d in inside):
             escaped.append(f"{path} -> {where}")
     return escaped
 
