@@ -50,6 +50,7 @@ import httpx2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
+from donorkit.paths import pki_dir
 from donorkit.pki import PkiError
 from donorkit.render import pki_for
 from donorkit.schema import (
@@ -241,7 +242,7 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
             if route["model"] in seen:
                 continue
             seen.add(route["model"])
-            ca = REPO_ROOT / data["pki_dir"] / "ca.crt"
+            ca = pki_dir(data) / "ca.crt"
             client, edge = None, None
             if via:
                 base, ca_file, route_note = via.rstrip("/"), None, f"through {via} (--via)"

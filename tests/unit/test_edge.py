@@ -202,12 +202,14 @@ def test_half_a_client_ca_stops_everything(tmp_path: Path) -> None:
 
 def lay_out(files: list, tmp_path: Path) -> Path:
     root = tmp_path / "root"
+    on_box = []
     for item in files:
         if item.path.startswith(str(tmp_path)):
             Path(item.path).parent.mkdir(parents=True, exist_ok=True)
             Path(item.path).write_text(item.content)
         else:
-            write_tree([item], root)
+            on_box.append(item)
+    write_tree(on_box, root)
     (tmp_path / "log").mkdir(exist_ok=True)
     return root / CADDYFILE.lstrip("/")
 

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import io
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def render(doc: dict, work: Path) -> tuple[int, str]:
         doc["overrides"]["pki_dir"] = str(work / "pki")  # the CA stays in the test's directory
     path.write_text(yaml.safe_dump(doc, allow_unicode=True))
     names = (list(doc["donors"]) if isinstance(doc.get("donors"), dict) else []) or ["x"]
+    shutil.rmtree(work / "out", ignore_errors=True)  # render refuses an OUT that exists
     stderr = io.StringIO()
     old = os.environ.get("DONORS_FILE")
     os.environ["DONORS_FILE"] = str(path)

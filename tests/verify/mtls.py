@@ -9,12 +9,12 @@ import socket
 import ssl
 from pathlib import Path
 
-from donorkit.paths import repo_path
+from donorkit.paths import pki_dir
 
 
 def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
     """Some edge's client certificate and key in this machine's PKI folder, or None."""
-    for cert in sorted((repo_path(data["pki_dir"]) / "edges").glob("*.crt")):
+    for cert in sorted((pki_dir(data) / "edges").glob("*.crt")):
         key = cert.with_suffix(".key")
         if key.is_file():
             return cert, key
@@ -22,7 +22,7 @@ def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
 
 
 def ca_file(data: dict) -> Path | None:
-    ca = repo_path(data["pki_dir"]) / "ca.crt"
+    ca = pki_dir(data) / "ca.crt"
     return ca if ca.is_file() else None
 
 
