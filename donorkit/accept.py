@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
 from donorkit.paths import pki_dir
 from donorkit.pki import PkiError
-from donorkit.render import pki_for
+from donorkit.render import OPERATOR_CLIENT, pki_for  # the operator's client certificate
 from donorkit.schema import (
     AcceptanceSettings,
     Baseline,
@@ -195,9 +195,6 @@ def _connect_url(hostname: str, port: int) -> str:
     return f"https://{hostname}" + ("" if port == 443 else f":{port}")
 
 
-# The operator's own client certificate (from the client CA, under pki_dir/edges/): a donor's
-# Caddy answers only the client CA's certificates.
-OPERATOR_CLIENT = "operator-accept"
 
 
 def _edge_route(edges: dict[str, dict], donor: str, hostname: str) -> tuple[dict | None, str]:

@@ -169,13 +169,18 @@ def drain_flag(data: dict) -> str:
     return f"{data['install_root']}/state/drained"
 
 
+# The operator's own client certificate (from the client CA, under pki_dir/edges/, like an
+# edge's): `make accept`, and the only one a donor's Caddy gives /metrics to.
+OPERATOR_CLIENT = "operator-accept"
+
+
 def render_caddyfile(data: dict) -> str:
     cert, key = tls_paths(data)
     flag = Path(drain_flag(data))
     return _environment().get_template("Caddyfile.j2").render(
         data, tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
-        drain_flag_name=flag.name)
+        drain_flag_name=flag.name, operator_client_subject=f"CN={OPERATOR_CLIENT}")
 
 
 def edge_paths(data: dict) -> dict[str, str]:
@@ -193,10 +198,18 @@ def health_body(checkpoint: str) -> str:
     return checkpoint.replace(".", "[.]")
 
 
+# What the public sites pass to the donors (vLLM 0.26.0's OpenAI API, its version, health and
+# API docs); everything else gets 404 at the edge. /docs loads /openapi.json from the same origin
+# (and /docs/oauth2-redirect); its script and style come from a CDN unless vLLM runs with
+# --enable-offline-docs, which serves these two under /static/ (read from vLLM 0.26.0's wheel).
+EDGE_PUBLIC_PATHS = ("/v1/*", "/version", "/health", "/docs", "/docs/*", "/openapi.json",
+                     "/static/swagger-ui-bundle.js", "/static/swagger-ui.css")
+
+
 def render_edge_caddyfile(data: dict) -> str:
     return _environment().get_template("Caddyfile-edge.j2").render(
         data, paths=edge_paths(data), health_body=health_body,
-        edge_health_header=EDGE_HEALTH_HEADER)
+        edge_health_header=EDGE_HEALTH_HEADER, edge_public_paths=EDGE_PUBLIC_PATHS)
 
 
 def render_caddy_drop_in(data: dict) -> str:
