@@ -99,7 +99,9 @@ def model_weights(model: str, repo: str, revision: str | None, python: str, scri
                f"--repo {q(repo)} --revision {q(revision)} --cache-dir {q(cache_dir)} "
                f"--manifest-dir {q(manifests)} --endpoint {q(endpoint)}")
     if token_file:
-        command += f" --token-file {q(token_file)}"
+        # Root's file (tasks/weights.py), opened by this root shell before runuser: the fetch
+        # reads the token on stdin; the service user (vLLM's) cannot open the file itself.
+        command += f" --token-stdin < {q(token_file)}"
     yield FunctionCommand(_streamed, (command,), {})
 
 
