@@ -175,8 +175,13 @@ def install_answer_check(huggingface_hub) -> None:
     `get_session()` and httpx's `event_hooks`). Should the client ever replace that session, the
     check after the download still names any file that landed outside."""
     session = huggingface_hub.get_session()
-    session.event_hooks = {**session.event_hooks,
-                           "response": [*session.event_hooks["response"], refuse_unsafe_names]}
+    hooks = getattr(session, "event_hooks", None)  # httpx clients (huggingface_hub >= 1.0)
+    if not isinstance(hooks, dict):
+        print(f"weights: huggingface_hub {huggingface_hub.__version__}'s session takes no "
+              "response hook: only the check after the download guards the cache", flush=True)
+        return
+    session.event_hooks = {**hooks, "response": [*hooks.get("response", []),
+                                                 refuse_unsafe_names]}
 
 
 class Progress:
