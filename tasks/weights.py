@@ -6,10 +6,18 @@ user, with the venv's huggingface_hub (a gated model's token, root's, on its std
 shows in the run. A box whose model has no pinned revision stops here, with the line saying
 which."""
 
+from pathlib import PurePosixPath
+
 from pyinfra import host
 
 from donorkit.paths import repo_path
-from donorkit.serving import hub_cache, manifest_dir, model_weights
+from donorkit.serving import (
+    hf_token_path,
+    home_token_path,
+    hub_cache,
+    manifest_dir,
+    model_weights,
+)
 from pyinfra_snapshot.operations import absent_path, config_file, directories
 
 root = host.data.install_root
@@ -22,11 +30,11 @@ config_file(name="Install the weights fetcher", content=repo_path(
 # and never need it; the weights step's root shell opens it and hands it to the fetch on stdin
 # (donorkit/serving.py). Earlier deploys kept it in the service user's home: removed there.
 absent_path(name="No Hugging Face token in the service user's home",
-            path=f"{home}/.config/uncloseai/hf-token")
+            path=home_token_path(home))
 token_file = token_error = None
 if host.data.hf_token_file:
-    token_dir = f"{root}/secrets"
-    token_file = f"{token_dir}/hf-token"
+    token_file = hf_token_path(root)
+    token_dir = str(PurePosixPath(token_file).parent)
     try:
         token = repo_path(host.data.hf_token_file).read_text()
     except OSError as e:

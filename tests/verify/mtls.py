@@ -10,15 +10,24 @@ import ssl
 from pathlib import Path
 
 from donorkit.paths import pki_dir
+from donorkit.pki import Pki
+from donorkit.render import OPERATOR_CLIENT
 
 
 def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
-    """Some edge's client certificate and key in this machine's PKI folder, or None."""
+    """Some edge's client certificate and key in this machine's PKI folder, or None (the
+    operator's own, OPERATOR_CLIENT, is not an edge's: a donor gives it more, /metrics)."""
     for cert in sorted((pki_dir(data) / "edges").glob("*.crt")):
         key = cert.with_suffix(".key")
-        if key.is_file():
+        if key.is_file() and cert.stem != OPERATOR_CLIENT:
             return cert, key
     return None
+
+
+def operator_client_pair(data: dict) -> tuple[Path, Path]:
+    """The operator's own client certificate and key (issued here if missing, as `make accept`
+    does)."""
+    return Pki(pki_dir(data)).client_pair(OPERATOR_CLIENT)
 
 
 def ca_file(data: dict) -> Path | None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
+import pytest
 from boxcheck import (
     SERVICE_PROPERTIES,
     expected_environment,
@@ -13,6 +16,7 @@ from boxcheck import (
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.serving import hf_token_path, home_token_path
 
 
 def test_unit_enabled(host: Host, m: dict) -> None:
@@ -105,3 +109,22 @@ def test_unit_is_sandboxed(host: Host, m: dict) -> None:
     assert (state["NoNewPrivileges"], state["ProtectSystem"], state["ProtectHome"],
             state["CapabilityBoundingSet"], state["PrivateTmp"]) == (
         "yes", "strict", "tmpfs", "", "yes"), f"{m['unit']}: {state}"
+
+
+def test_no_hf_token_in_the_service_users_home(host: Host, data: dict) -> None:
+    """The service user's home is the vLLM units' (issue 21, hole 8): no token there."""
+    path = home_token_path(data["service_home"])
+    assert not host.file(path).exists, f"{path}: the Hugging Face token in the service home"
+
+
+def test_hf_token_is_roots_and_out_of_the_units_reach(host: Host, data: dict) -> None:
+    """The token is root's, 0600 in a 0700 folder of root's; the service user (each vLLM unit's
+    User=) cannot open it. The weights step's root shell hands it to the fetch on stdin."""
+    if not data["hf_token_file"]:
+        pytest.skip("no hf_token_file in the inventory: no token on the box")
+    token = host.file(hf_token_path(data["install_root"]))
+    folder = host.file(str(PurePosixPath(token.path).parent))
+    assert (token.user, token.group, token.mode) == ("root", "root", 0o600), token.path
+    assert (folder.user, folder.group, folder.mode) == ("root", "root", 0o700), folder.path
+    tried = host.run("runuser -u %s -- cat %s", data["service_user"], token.path)
+    assert tried.rc != 0 and "Permission denied" in tried.stderr, (tried.rc, tried.stderr)
