@@ -32,7 +32,10 @@ config_file(name="Install the weights fetcher", content=repo_path(
 absent_path(name="No Hugging Face token in the service user's home",
             path=home_token_path(home))
 token_file = token_error = None
-if host.data.hf_token_file:
+if not host.data.hf_token_file:
+    absent_path(name="No Hugging Face token (none in the inventory)",
+                path=hf_token_path(root))
+else:
     token_file = hf_token_path(root)
     token_dir = str(PurePosixPath(token_file).parent)
     try:

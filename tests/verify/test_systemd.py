@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-import pytest
 from boxcheck import (
     SERVICE_PROPERTIES,
     expected_environment,
@@ -111,18 +110,17 @@ def test_unit_is_sandboxed(host: Host, m: dict) -> None:
         "yes", "strict", "tmpfs", "", "yes"), f"{m['unit']}: {state}"
 
 
-def test_no_hf_token_in_the_service_users_home(host: Host, data: dict) -> None:
-    """The service user's home is the vLLM units' (issue 21, hole 8): no token there."""
-    path = home_token_path(data["service_home"])
-    assert not host.file(path).exists, f"{path}: the Hugging Face token in the service home"
-
-
-def test_hf_token_is_roots_and_out_of_the_units_reach(host: Host, data: dict) -> None:
-    """The token is root's, 0600 in a 0700 folder of root's; the service user (each vLLM unit's
-    User=) cannot open it. The weights step's root shell hands it to the fetch on stdin."""
-    if not data["hf_token_file"]:
-        pytest.skip("no hf_token_file in the inventory: no token on the box")
+def test_hf_token_only_where_root_alone_reads_it(host: Host, data: dict) -> None:
+    """Issue 21, hole 8. The service user's home is the vLLM units': no token there. With a
+    token in the inventory it is root's, 0600 in a 0700 folder of root's, and the service user
+    (each vLLM unit's User=) cannot open it (the weights step's root shell hands it to the fetch
+    on stdin); without one, there is none on the box either."""
+    home_copy = home_token_path(data["service_home"])
+    assert not host.file(home_copy).exists, f"{home_copy}: a token in the service user's home"
     token = host.file(hf_token_path(data["install_root"]))
+    if not data["hf_token_file"]:
+        assert not token.exists, f"{token.path}: a token on the box, none in the inventory"
+        return
     folder = host.file(str(PurePosixPath(token.path).parent))
     assert (token.user, token.group, token.mode) == ("root", "root", 0o600), token.path
     assert (folder.user, folder.group, folder.mode) == ("root", "root", 0o700), folder.path
