@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.rollout import Box, load_boxes
 from tests.testbed import hosts as bed
@@ -85,8 +86,7 @@ def main() -> int:
             boxes: list[Box] = load_boxes("inventory/gpus.py")
             since = time.time() - 1
             # Donors answer only the current edges' and the operator's certificates.
-            pki_dir = REPO_ROOT / boxes[0].data["pki_dir"]
-            pair = tuple(str(p) for p in Pki(pki_dir).client_pair(OPERATOR_CLIENT))
+            pair = tuple(str(p) for p in Pki(pki_dir(boxes[0].data)).client_pair(OPERATOR_CLIENT))
             with RequestLoop(boxes, HOSTNAME, boxes[0].routes[HOSTNAME], client=pair) as loop:
                 rc, out, took = run([str(BIN / "python"), "-m", "donorkit.rollout",
                                      "--inventory", "inventory/gpus.py"], donors, 3600)

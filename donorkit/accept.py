@@ -50,6 +50,7 @@ import httpx2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
+from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT, PkiError
 from donorkit.render import pki_for
 from donorkit.schema import (
@@ -195,7 +196,8 @@ def _connect_url(hostname: str, port: int) -> str:
 
 
 # OPERATOR_CLIENT (donorkit/pki.py): the operator's own client certificate, under
-# pki_dir/edges/; a donor's Caddy answers only the current edges' and this one.
+# pki_dir/edges/; a donor's Caddy answers only the current edges' and this one, and gives
+# /metrics to this one only.
 
 
 def _edge_route(edges: dict[str, dict], donor: str, hostname: str) -> tuple[dict | None, str]:
@@ -240,7 +242,7 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
             if route["model"] in seen:
                 continue
             seen.add(route["model"])
-            ca = REPO_ROOT / data["pki_dir"] / "ca.crt"
+            ca = pki_dir(data) / "ca.crt"
             client, edge = None, None
             if via:
                 base, ca_file, route_note = via.rstrip("/"), None, f"through {via} (--via)"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import repo_path
+from donorkit.paths import pki_dir
 from donorkit.pki import Pki, PkiError
 from pyinfra_snapshot import ssh_socket
 
@@ -27,9 +27,9 @@ def inventory_or_exit(donors_path: Path | str | None = None, require_local_sourc
     except FleetError as exc:
         print(f"inventory error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    for pki_dir in sorted({data["pki_dir"] for data in [*fleet.values(), *edges.values()]}):
+    for directory in sorted({pki_dir(data) for data in [*fleet.values(), *edges.values()]}):
         try:
-            Pki(repo_path(pki_dir)).check()
+            Pki(directory).check()
         except PkiError as exc:
             print(f"pki error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None

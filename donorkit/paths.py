@@ -11,3 +11,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def repo_path(path: str | Path) -> Path:
     """`path` made absolute: `~` expanded, a relative path taken from the repository root."""
     return (REPO_ROOT / Path(path).expanduser()).resolve()
+
+
+def pki_dir(data: dict) -> Path:
+    """The private CA's folder on the operator's machine, from a host's `pki_dir`: the ONE reading
+    of that setting (deploy, render, rollout, accept, verify): `~` is the operator's home, a
+    relative path is under the repository."""
+    return repo_path(data["pki_dir"])

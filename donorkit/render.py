@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
+import stat
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
-from donorkit.paths import REPO_ROOT, repo_path
-from donorkit.pki import Pki
+from donorkit.paths import REPO_ROOT, pki_dir
+from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.schema import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
@@ -246,7 +248,7 @@ def render_caddyfile(data: dict) -> str:
         data, tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
         trusted_leafs=list(trusted_client_files(data)),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
-        drain_flag_name=flag.name)
+        drain_flag_name=flag.name, operator_client_subject=f"CN={OPERATOR_CLIENT}")
 
 
 def edge_paths(data: dict) -> dict[str, str]:
@@ -264,10 +266,18 @@ def health_body(checkpoint: str) -> str:
     return checkpoint.replace(".", "[.]")
 
 
+# What the public sites pass to the donors (vLLM 0.26.0's OpenAI API, its version, health and
+# API docs); everything else gets 404 at the edge. /docs loads /openapi.json from the same origin
+# (and /docs/oauth2-redirect); its script and style come from a CDN unless vLLM runs with
+# --enable-offline-docs, which serves these two under /static/ (read from vLLM 0.26.0's wheel).
+EDGE_PUBLIC_PATHS = ("/v1/*", "/version", "/health", "/docs", "/docs/*", "/openapi.json",
+                     "/static/swagger-ui-bundle.js", "/static/swagger-ui.css")
+
+
 def render_edge_caddyfile(data: dict) -> str:
     return _environment().get_template("Caddyfile-edge.j2").render(
         data, paths=edge_paths(data), health_body=health_body,
-        edge_health_header=EDGE_HEALTH_HEADER)
+        edge_health_header=EDGE_HEALTH_HEADER, edge_public_paths=EDGE_PUBLIC_PATHS)
 
 
 def render_caddy_drop_in(data: dict) -> str:
@@ -282,7 +292,7 @@ def render_caddy_drop_in(data: dict) -> str:
 
 
 def pki_for(data: dict) -> Pki:
-    return Pki(repo_path(data["pki_dir"]), data["pki_renew_days"])
+    return Pki(pki_dir(data), data["pki_renew_days"])
 
 
 def render_host(data: dict) -> list[RenderedFile]:
@@ -325,13 +335,54 @@ def render_edge(data: dict) -> list[RenderedFile]:
     return files
 
 
+class OutExists(Exception):
+    """`make render`'s OUT is already there (one line for the operator)."""
+
+
 def write_tree(files: list[RenderedFile], out: Path) -> list[Path]:
-    """Lay rendered files out under `out` as on the box."""
+    """Lay rendered files out under `out` as on the box. `out` is made here, mode 0700, and must
+    not exist in any form (folder, file, link): private keys are never written through a path
+    someone else prepared (a planted file they can read, a link that sends root's write
+    elsewhere). Inside it, every folder and file is created new (O_EXCL), links never followed
+    (O_NOFOLLOW), each opened from its parent's descriptor."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(out, 0o700)  # EEXIST for any existing entry, a dangling link included
+    except FileExistsError:
+        raise OutExists(f"{out} already exists: name a new directory (render makes it, private, "
+                        "and never writes through an existing path)") from None
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    root = os.open(out, os.O_RDONLY | os.O_DIRECTORY | nofollow)
     written = []
-    for item in files:
-        target = out / item.path.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(item.content)
-        target.chmod(int(item.mode, 8))
-        written.append(target)
+    try:
+        made = os.fstat(root)
+        if made.st_uid != os.geteuid() or stat.S_IMODE(made.st_mode) & 0o077:
+            raise OutExists(f"{out} is not the private directory render just made")
+        for item in files:
+            *folders, name = item.path.strip("/").split("/")
+            if any(part in ("", ".", "..") for part in [*folders, name]):
+                raise ValueError(f"rendered path {item.path!r} is not a plain absolute path")
+            parent = os.dup(root)
+            try:
+                for folder in folders:
+                    try:
+                        os.mkdir(folder, 0o700, dir_fd=parent)
+                    except FileExistsError:
+                        pass  # made by this loop for an earlier file: opened without following
+                    child = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | nofollow,
+                                    dir_fd=parent)
+                    os.close(parent)
+                    parent = child
+                mode = int(item.mode, 8)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, mode,
+                             dir_fd=parent)
+                with os.fdopen(fd, "w") as handle:
+                    os.fchmod(handle.fileno(), mode)  # the umask may have taken bits off
+                    handle.write(item.content)
+            finally:
+                os.close(parent)
+            written.append(out.joinpath(*folders, name))
+    finally:
+        os.close(root)
     return written

@@ -1,5 +1,7 @@
 """`make render HOST=<donor or edge> OUT=<dir>`: every file the deploy would write to that host,
-laid out under OUT as on the box. Uses the deploy's own rendering code (donorkit.render)."""
+laid out under OUT as on the box. Uses the deploy's own rendering code (donorkit.render).
+OUT must not exist: it is made here, private (0700), and nothing is written through an existing
+path (keys included)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 from pathlib import Path
 
 from donorkit.inventory import inventory_or_exit
-from donorkit.render import render_host, write_tree
+from donorkit.render import OutExists, render_host, write_tree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"render: no donor or edge named '{args.host}' "
               f"(known: {', '.join(sorted(hosts))})", file=sys.stderr)
         return 2
-    for path in write_tree(render_host(hosts[args.host]), args.out):
+    files = render_host(hosts[args.host])
+    try:
+        written = write_tree(files, args.out)
+    except (OutExists, OSError) as exc:
+        print(f"render: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
         print(path)
     return 0
 

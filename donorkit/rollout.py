@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from donorkit import schema
+from donorkit.paths import pki_dir
 from donorkit.render import drain_flag
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -277,7 +278,7 @@ class PinnedHTTPS(http.client.HTTPSConnection):
 def client_pair(box: Box, edge: str) -> tuple[str, str]:
     """The edge's client certificate and key on this (the operator's) machine: what the edge
     itself presents to the donor (tasks/edge_caddy.py uploads the same pair)."""
-    edges_dir = REPO_ROOT / box.data["pki_dir"] / "edges"
+    edges_dir = pki_dir(box.data) / "edges"
     return str(edges_dir / f"{edge}.crt"), str(edges_dir / f"{edge}.key")
 
 
@@ -285,7 +286,7 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str, client: tuple[str, 
                    timeout: float = 5) -> str | None:
     """None when the box's Caddy lists `checkpoint` on /v1/models for `hostname`, asked as an
     edge asks it (its client certificate `client`); else why."""
-    ca = REPO_ROOT / box.data["pki_dir"] / "ca.crt"
+    ca = pki_dir(box.data) / "ca.crt"
     context = ssl.create_default_context(cafile=str(ca))
     context.load_cert_chain(*client)
     conn = PinnedHTTPS(box.data["ssh_hostname"], int(box.data["caddy_https_port"]), hostname,

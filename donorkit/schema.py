@@ -737,6 +737,7 @@ class Defaults(Strict):
     caddy_tls_dir: Annotated[AbsPath, under("/etc/caddy", "chmod 750, group caddy")]
     pki_dir: LocalPath
     pki_renew_days: Annotated[int, Field(ge=1, le=300)]
+    hf_endpoint_plain_http_test_standin: bool = False  # http:// allowed: a test stand-in only
     hf_endpoint: Url                        # the Hugging Face hub (or a mirror of its API)
     hf_token_file: LocalPath | None         # gated checkpoints' token (operator's machine)
     ready_timeout: Annotated[int, Field(ge=1, le=86400)]      # seconds the gate waits
@@ -757,6 +758,23 @@ class Defaults(Strict):
         if root and not value.startswith(f"{root}/"):
             raise ValueError(f"{value!r} is not under install_root ({root}/)")
         return value
+
+
+    @field_validator("hf_endpoint")
+    @classmethod
+    def _hub_over_https(cls, url: str, info: ValidationInfo) -> str:
+        if url.startswith("http://") and not info.data.get("hf_endpoint_plain_http_test_standin"):
+            raise ValueError(f"{url!r} is plain http: the hub is https (a test stand-in of the "
+                             "hub may say hf_endpoint_plain_http_test_standin: true)")
+        return url
+
+    @field_validator("hf_token_file")
+    @classmethod
+    def _no_token_in_clear(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None and info.data.get("hf_endpoint", "").startswith("http://"):
+            raise ValueError("the token would cross the network in clear: hf_endpoint is plain "
+                             "http (use an https endpoint)")
+        return path
 
 
 class Donor(Strict):

@@ -24,6 +24,17 @@ def hub_cache(home: str) -> str:
     return f"{home}/.cache/huggingface/hub"
 
 
+def hf_token_path(install_root: str) -> str:
+    """Where a box keeps the Hugging Face token: root's, 0600, in a 0700 folder of root's (the
+    service user, and so every vLLM unit, cannot open it; the weights step hands it over)."""
+    return f"{install_root}/secrets/hf-token"
+
+
+def home_token_path(home: str) -> str:
+    """Where deploys before issue 21 kept it, readable by the service user: removed."""
+    return f"{home}/.config/uncloseai/hf-token"
+
+
 def manifest_dir(home: str) -> str:
     """Where fetch_weights.py records complete fetches (outside the hub cache's own layout)."""
     return f"{home}/.cache/uncloseai/weights"
@@ -99,7 +110,9 @@ def model_weights(model: str, repo: str, revision: str | None, python: str, scri
                f"--repo {q(repo)} --revision {q(revision)} --cache-dir {q(cache_dir)} "
                f"--manifest-dir {q(manifests)} --endpoint {q(endpoint)}")
     if token_file:
-        command += f" --token-file {q(token_file)}"
+        # Root's file (tasks/weights.py), opened by this root shell before runuser: the fetch
+        # reads the token on stdin; the service user (vLLM's) cannot open the file itself.
+        command += f" --token-stdin < {q(token_file)}"
     yield FunctionCommand(_streamed, (command,), {})
 
 

@@ -13,8 +13,16 @@ a directory listing, no network, no hashing. `--check` only does that (exit 0 co
 Otherwise the real client, `huggingface_hub.snapshot_download`, fetches the files still missing:
 an interrupted connection is resumed by the client itself (HTTP Range); files finished by an
 earlier, killed run are kept and not fetched again. Progress (files, bytes, rate) is printed
-every few seconds. The token, when configured, is read from a file that must be 0600 and owned
-by this user; it is never printed.
+every few seconds. The token, when configured, is read from standard input (`--token-stdin`:
+the deploy opens the root-owned file and hands it over; nothing this user runs can read it) or
+from a file that must be 0600 and owned by this user; it is never printed.
+
+A hostile or broken hub cannot place files outside the model's cache: the client names a blob
+after the server's ETag, so every answer for a file must carry a plain hash (hex) as its ETag and
+a 40-hex X-Repo-Commit, or the fetch stops before anything is written; the listing's paths may
+not climb out of the snapshot; and after the download every listed file must resolve inside the
+model's own cache (its `blobs/`, or the snapshot), or the step fails naming the file (and a
+`--check` never calls it complete).
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from pathlib import Path
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# What the hub sends as a file's ETag: its git blob id (sha1) or, for LFS/Xet files, its sha256.
+# The client uses it as a file name under blobs/: anything else is refused before it is used.
+BLOB_ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 class Refused(Exception):
@@ -67,6 +78,30 @@ def missing_files(snapshot: Path, files: dict[str, int]) -> list[str]:
     return missing
 
 
+def escaped_files(folder: Path, revision: str, files) -> list[str]:
+    """`path -> where it resolves` for each listed file of the snapshot that is not inside the
+    model's cache: its blobs/ (the client's links) or the snapshot itself (a copy where links are
+    not made). A hostile ETag or listing, or a planted link, shows here."""
+    snapshot = folder / "snapshots" / revision
+    real = folder.resolve()  # the blobs/ and snapshot folders themselves may not be links out
+    inside = [real / "blobs", real / "snapshots" / revision]
+    escaped = []
+    for path in files:
+        entry = snapshot / path
+        if not entry.exists() and not entry.is_symlink():
+            continue  # missing: missing_files says so
+        where = entry.resolve()
+        if not any(where.is_relative_to(d) and where != d for d in inside):
+            escaped.append(f"{path} -> {where}")
+    return escaped
+
+
+def unsafe_listing(files) -> list[str]:
+    """Listed paths that would not stay inside the snapshot folder."""
+    return [p for p in files if p.startswith("/") or "\\" in p
+            or any(part in ("", ".", "..") for part in p.split("/"))]
+
+
 def check(args) -> tuple[bool, str]:
     manifest = manifest_path(args.manifest_dir, args.repo, args.revision)
     try:
@@ -80,10 +115,18 @@ def check(args) -> tuple[bool, str]:
     missing = missing_files(snapshot, files)
     if missing:
         return False, f"{len(missing)} of {len(files)} files missing or short ({missing[0]} ...)"
+    escaped = escaped_files(repo_folder(args.cache_dir, args.repo), args.revision, files)
+    if escaped:
+        return False, f"outside the cache: {escaped[0]}"
     return True, f"{len(files)} files, {human(sum(files.values()))}"
 
 
-def read_token(path: Path | None) -> str | None:
+def read_token(path: Path | None, stdin: bool = False) -> str | None:
+    if stdin:
+        token = sys.stdin.readline().strip()
+        if not token:
+            raise Refused("--token-stdin: no token on standard input")
+        return token
     if path is None:
         return None
     try:
@@ -99,6 +142,46 @@ def read_token(path: Path | None) -> str | None:
     if not token:
         raise Refused(f"token file {path} is empty")
     return token
+
+
+class UnsafeAnswer(Exception):
+    """A hub answer whose headers would name a file outside the cache."""
+
+
+def refuse_unsafe_names(response) -> None:
+    """httpx response hook (huggingface_hub's public `set_client_factory`): on a file's resolve
+    answer, the ETag the client will name the blob after (X-Linked-Etag, else ETag, as the client
+    reads them) must be a plain hash, and X-Repo-Commit a commit. Raised before the client reads
+    the headers, so nothing is written under a name the server chose."""
+    if "/resolve/" not in response.request.url.path:
+        return
+    headers = response.headers
+    etag = headers.get("X-Linked-Etag") or headers.get("ETag")
+    if etag is not None:
+        plain = etag.removeprefix("W/").strip('"')
+        if not BLOB_ETAG.fullmatch(plain):
+            name = response.request.url.path.split("/resolve/", 1)[1].split("/", 1)[-1]
+            raise UnsafeAnswer(f"{name}: "
+                               f"ETag {etag!r} is not a hash (the client would name the file "
+                               "after it)")
+    commit = headers.get("X-Repo-Commit")
+    if commit is not None and not COMMIT.fullmatch(commit):
+        raise UnsafeAnswer(f"{response.request.url.path}: X-Repo-Commit {commit!r} is not a "
+                           "commit hash")
+
+
+def install_answer_check(huggingface_hub) -> None:
+    """refuse_unsafe_names on every response of the client's shared HTTP client (public API:
+    `get_session()` and httpx's `event_hooks`). Should the client ever replace that session, the
+    check after the download still names any file that landed outside."""
+    session = huggingface_hub.get_session()
+    hooks = getattr(session, "event_hooks", None)  # httpx clients (huggingface_hub >= 1.0)
+    if not isinstance(hooks, dict):
+        print(f"weights: huggingface_hub {huggingface_hub.__version__}'s session takes no "
+              "response hook: only the check after the download guards the cache", flush=True)
+        return
+    session.event_hooks = {**hooks, "response": [*hooks.get("response", []),
+                                                 refuse_unsafe_names]}
 
 
 class Progress:
@@ -150,7 +233,7 @@ def remove_orphans(folder: Path) -> None:
 
 
 def fetch(args) -> None:
-    token = read_token(args.token_file)
+    token = read_token(args.token_file, args.token_stdin)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # The client's own bars redraw with carriage returns: useless in a deploy log. Ours print lines.
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
@@ -164,6 +247,7 @@ def fetch(args) -> None:
         from huggingface_hub.hf_api import RepoFile
     except ImportError as e:
         raise Refused(f"huggingface_hub is not importable by {sys.executable}: {e}") from None
+    install_answer_check(huggingface_hub)
 
     folder = repo_folder(args.cache_dir, args.repo)
     endpoint = args.endpoint or huggingface_hub.constants.ENDPOINT
@@ -174,6 +258,10 @@ def fetch(args) -> None:
                    if isinstance(f, RepoFile)}
         if not listing:
             raise Refused(f"{where}: the revision lists no files")
+        unsafe = unsafe_listing(listing)
+        if unsafe:
+            raise Refused(f"{where}: the listing names a path outside the snapshot: "
+                          f"{unsafe[0]!r}")
         progress = Progress(folder, args.revision, listing, args.progress_interval)
         done, have = progress.measure()
         print(f"weights: fetching {where}: {len(listing)} files, {human(progress.total)}; "
@@ -205,6 +293,10 @@ def fetch(args) -> None:
     if missing:
         raise Refused(f"{where}: after the download {len(missing)} files are missing or short "
                       f"({missing[0]} ...)")
+    escaped = escaped_files(folder, args.revision, listing)
+    if escaped:
+        raise Refused(f"{where}: {len(escaped)} files resolve outside the cache "
+                      f"{folder}/blobs: {'; '.join(escaped)}")
     fetched = progress.total - have
     print(f"weights: done, {len(listing)} files, {human(progress.total)} in {took:.1f} s "
           f"({human(fetched / took if took > 0 else 0)}/s over {human(fetched)} fetched now)",
@@ -224,7 +316,10 @@ def parse(argv: list[str] | None):
     parser.add_argument("--cache-dir", type=Path, required=True)
     parser.add_argument("--manifest-dir", type=Path, required=True)
     parser.add_argument("--endpoint")
-    parser.add_argument("--token-file", type=Path)
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token-file", type=Path)
+    token.add_argument("--token-stdin", action="store_true",
+                       help="read the token from standard input (one line)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=5.0)
     parser.add_argument("--check", action="store_true", help="only say whether it is complete")

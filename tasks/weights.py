@@ -2,14 +2,23 @@
 Hugging Face cache before any unit is (re)started (tasks/units.py comes next), so a first start,
 an upgrade or a model swap never downloads inside the unit's start (the new model's weights are
 here while the old model still serves). files/fetch_weights.py does it on the box, as the service
-user, with the venv's huggingface_hub; its progress shows in the run. A box whose model has no
-pinned revision stops here, with the line saying which."""
+user, with the venv's huggingface_hub (a gated model's token, root's, on its stdin); its progress
+shows in the run. A box whose model has no pinned revision stops here, with the line saying
+which."""
+
+from pathlib import PurePosixPath
 
 from pyinfra import host
 
 from donorkit.paths import repo_path
-from donorkit.serving import hub_cache, manifest_dir, model_weights
-from pyinfra_snapshot.operations import config_file, directories
+from donorkit.serving import (
+    hf_token_path,
+    home_token_path,
+    hub_cache,
+    manifest_dir,
+    model_weights,
+)
+from pyinfra_snapshot.operations import absent_path, config_file, directories
 
 root = host.data.install_root
 user, home = host.data.service_user, host.data.service_home
@@ -17,20 +26,27 @@ fetcher = f"{root}/bin/fetch_weights.py"
 config_file(name="Install the weights fetcher", content=repo_path(
     "files/fetch_weights.py").read_text(), dest=fetcher, mode="755")
 
+# The token is root's (0600 in a 0700 folder of root's): the vLLM units run as the service user
+# and never need it; the weights step's root shell opens it and hands it to the fetch on stdin
+# (donorkit/serving.py). Earlier deploys kept it in the service user's home: removed there.
+absent_path(name="No Hugging Face token in the service user's home",
+            path=home_token_path(home))
 token_file = token_error = None
-if host.data.hf_token_file:
-    token_dir = f"{home}/.config/uncloseai"
-    token_file = f"{token_dir}/hf-token"
+if not host.data.hf_token_file:
+    absent_path(name="No Hugging Face token (none in the inventory)",
+                path=hf_token_path(root))
+else:
+    token_file = hf_token_path(root)
+    token_dir = str(PurePosixPath(token_file).parent)
     try:
         token = repo_path(host.data.hf_token_file).read_text()
     except OSError as e:
         token_error = f"hf_token_file {host.data.hf_token_file}: {e.strerror}"
     else:
-        directories(name="Create the service user's token directory",
-                    paths=[f"{home}/.config", token_dir], user=user, group=user, mode="700")
-        config_file(name="Install the Hugging Face token (0600, the service user's)",
-                    content=token, dest=token_file, mode="600", user=user, group=user,
-                    secret=True)
+        directories(name="Create root's secrets directory (0700)", paths=[token_dir],
+                    mode="700")
+        config_file(name="Install the Hugging Face token (0600, root's)", content=token,
+                    dest=token_file, mode="600", secret=True)
 
 for model in host.data.models.values():
     revision = model.get("revision")

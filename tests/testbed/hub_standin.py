@@ -21,8 +21,11 @@ Test controls (JSON, same port): `POST /_standin/fault` {"file": path-in-repo, "
 "times": 1, "throttle_bps": bytes/s} -- the next GET(s) of that file send the full headers, then
 close the connection after `cut_after` bytes (an interrupted download), and/or trickle at
 `throttle_bps`; `POST /_standin/gate` {"repo": id, "token": str} -- the repo then needs
-`Authorization: Bearer <token>` (a gated model); `GET /_standin/requests` -- every request served
-(method, path, range, status, body bytes); `POST /_standin/reset` -- log, faults and gates cleared.
+`Authorization: Bearer <token>` (a gated model); `POST /_standin/etag` {"file": path-in-repo,
+"etag": str} -- a HOSTILE hub: that file's resolve answers carry this ETag (X-Linked-Etag for a
+large file) instead of its hash, e.g. `../../../x` (huggingface_hub builds the blob's path from it);
+`GET /_standin/requests` -- every request served (method, path, range, status, body bytes);
+`POST /_standin/reset` -- log, faults, gates and ETags cleared.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class HubState:
     cdn_port: int | None
     faults: dict[str, Fault] = field(default_factory=dict)
     gates: dict[str, str] = field(default_factory=dict)
+    etags: dict[str, str] = field(default_factory=dict)   # path in repo -> hostile ETag
     requests: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -212,9 +216,12 @@ class Handler(SimpleHTTPRequestHandler):
                                                         body.get("throttle_bps"))
             elif url.path == "/_standin/gate":
                 self.state.gates[body["repo"]] = body["token"]
+            elif url.path == "/_standin/etag":
+                self.state.etags[body["file"]] = body["etag"]
             elif url.path == "/_standin/reset":
                 self.state.faults.clear()
                 self.state.gates.clear()
+                self.state.etags.clear()
                 self.state.requests.clear()
             else:
                 return self._json(404, {"error": "no such control"}, record=False)
@@ -314,18 +321,20 @@ class Handler(SimpleHTTPRequestHandler):
         if f is None:
             return self._json(404, {"error": "Entry not found"}, code="EntryNotFound",
                               headers=headers)
+        hostile = self.state.etags.get(path)
         if f.sha256 and self.state.cdn_port:
             host = (self.headers.get("Host") or self.server.server_address[0]).rsplit(":", 1)[0]
             self._record(302, 0)
             self.send_response(302)
             for key, value in {**headers, "ETag": f'"{f.blob_id}"',
-                               "X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size),
+                               "X-Linked-Etag": f'"{hostile or f.sha256}"',
+                               "X-Linked-Size": str(f.size),
                                "Location": f"http://{host}:{self.state.cdn_port}/_cdn/{f.sha256}",
                                "Content-Length": "0"}.items():
                 self.send_header(key, value)
             self.end_headers()
             return
-        etag = f.sha256 or f.blob_id
+        etag = hostile or f.sha256 or f.blob_id
         self._file(f, {**headers, "ETag": f'"{etag}"'})
 
     def _cdn(self, query, sha: str):

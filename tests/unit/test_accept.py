@@ -310,3 +310,40 @@ def test_client_presents_the_operator_certificate_to_a_caddy_requiring_one(
             asyncio.run(get(_target(base_url=base, ca_file=ca)))
     finally:
         server.shutdown()
+
+
+def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21, hole 7: `pki_dir: ~/...` meant the home in the deploy and a folder under the
+    repository in rollout and accept. One resolver (donorkit.paths.pki_dir) for all."""
+    from donorkit import rollout
+    from donorkit.paths import pki_dir
+    from donorkit.render import pki_for
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    fleet, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
+    data = dict(fleet["tb-4090"], pki_dir="~/operator-pki")
+    where = tmp_path / "home/operator-pki"
+    assert pki_dir(data) == where and pki_for(data).directory == where
+    [target] = a.targets_from_fleet({"tb-4090": data}, "https://via.example", {})
+    [target] = a.targets_from_fleet({"tb-4090": data}, None, {})
+    assert target.ca_file == str(where / "ca.crt")
+    assert target.client == (str(where / "edges/operator-accept.crt"),
+                             str(where / "edges/operator-accept.key"))
+    box = rollout.Box("tb-4090", data)
+    assert rollout.client_pair(box, "tb-edge") == (str(where / "edges/tb-edge.crt"),
+                                                   str(where / "edges/tb-edge.key"))
+    assert not (REPO_ROOT / "~").exists()
+
+
+def test_only_the_resolver_reads_pki_dir() -> None:
+    """Every other module asks donorkit.paths.pki_dir: no second way to read the setting."""
+    import re
+
+    readers = []
+    for folder in ("donorkit", "tasks", "tests/verify", "bench"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            if re.search(r"""\[["']pki_dir["']\]|\.pki_dir\b""", text):
+                readers.append(str(path.relative_to(REPO_ROOT)))
+    assert readers == ["donorkit/paths.py"], readers

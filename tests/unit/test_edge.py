@@ -202,12 +202,14 @@ def test_half_a_client_ca_stops_everything(tmp_path: Path) -> None:
 
 def lay_out(files: list, tmp_path: Path) -> Path:
     root = tmp_path / "root"
+    on_box = []
     for item in files:
         if item.path.startswith(str(tmp_path)):
             Path(item.path).parent.mkdir(parents=True, exist_ok=True)
             Path(item.path).write_text(item.content)
         else:
-            write_tree([item], root)
+            on_box.append(item)
+    write_tree(on_box, root)
     (tmp_path / "log").mkdir(exist_ok=True)
     return root / CADDYFILE.lstrip("/")
 
@@ -432,7 +434,8 @@ def test_a_drained_donor_fails_only_the_edges_health_checks(tmp_path: Path, bina
     config = json.loads(run_caddy(binary, "adapt", lay_out(render_host(donor), tmp_path)).stdout)
     flag = drain_flag(donor)
     for hostname, route in sites(config).items():
-        (respond,) = handlers(route, "static_response")
+        # The drain rule's 503 (the other static response is /metrics' 404 for edges).
+        (respond,) = [h for h in handlers(route, "static_response") if h["status_code"] != 404]
         drained = json.dumps(route)
         assert respond["status_code"] == 503, hostname
         assert f'"{EDGE_HEALTH_HEADER}": ["1"]' in drained
@@ -445,3 +448,149 @@ def test_a_drained_donor_fails_only_the_edges_health_checks(tmp_path: Path, bina
         (proxy,) = handlers(route, "reverse_proxy")
         assert proxy["health_checks"]["active"]["headers"][EDGE_HEALTH_HEADER] == ["1"]
         assert proxy["headers"]["request"]["delete"] == [EDGE_HEALTH_HEADER]
+
+
+# ------------------------------------------------------------------ paths, live on loopback ---
+# Issue 21, hole 8: the edge passes only what the network serves; /metrics is the operator's,
+# through a donor's Caddy with the operator's client certificate. Real Caddy processes (the
+# rendered edge and donor Caddyfiles) on this machine's loopback, in front of a TEST DOUBLE for
+# vLLM (it cannot run here): an HTTP server that answers every path and records what it got.
+
+PUBLIC = ["/v1/models", "/v1/chat/completions", "/version", "/health", "/docs",
+          "/docs/oauth2-redirect", "/openapi.json"]
+NOT_PUBLIC = ["/metrics", "/metrics/", "/METRICS", "/metricsx", "/", "/redoc", "/v2/models",
+              "/v1", "/static/x.js", "/v1/../metrics", "/v1/%2e%2e/metrics", "//metrics",
+              "/health/../metrics", "/server_info", "/reset_prefix_cache", "/sleep", "/pooling"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmDouble:
+    """Stands for vLLM behind the donor's Caddy: 200 on every path, /v1/models listing the
+    checkpoint (the edge's health check), every path it got recorded."""
+
+    def __init__(self, checkpoint: str) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                seen.append(self.path)
+                body = (json.dumps({"data": [{"id": checkpoint}]}) if self.path == "/v1/models"
+                        else f"vllm double: {self.path}").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def get(port: int, hostname: str, path: str, ca: Path,
+        client: tuple[str, str] | None = None) -> int:
+    """GET `path` exactly as written (no normalising) over TLS with SNI and Host `hostname`."""
+    import http.client
+    import socket
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca))
+    if client:
+        context.load_cert_chain(*client)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw, \
+            context.wrap_socket(raw, server_hostname=hostname) as tls:
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {hostname}\r\nConnection: close\r\n\r\n"
+                    .encode())
+        response = http.client.HTTPResponse(tls)
+        response.begin()
+        response.read()
+        return response.status
+
+
+@pytest.fixture(params=CADDIES, ids=CADDY_IDS)
+def live(request, tmp_path: Path):
+    """A donor's Caddy and an edge's, rendered for FLEET's donor b and edge front (one site),
+    running on loopback ports; b's model is the vLLM double."""
+    binary = caddy_or_skip(request.param)
+    donors, edges = load(tmp_path, FLEET)
+    hostname = "hermes.ai.unturf.com"
+    vllm = VllmDouble(donors["b"]["models"]["qwen"]["checkpoint"])
+    donor_port, edge_port = free_port(), free_port()
+    donor = in_tmp(donors["b"], tmp_path / "donor")
+    donor.update(pki_dir=str(tmp_path / "pki"), caddy_https_port=donor_port,
+                 install_root=str(tmp_path / "donor"),
+                 caddy_admin_socket=str(tmp_path / "donor-admin.sock"))
+    donor["models"] = {"qwen": dict(donor["models"]["qwen"], port=vllm.port)}
+    edge = in_tmp(edges["front"], tmp_path / "edge")
+    edge.update(pki_dir=str(tmp_path / "pki"), edge_https_port=edge_port,
+                caddy_admin_socket=str(tmp_path / "edge-admin.sock"))
+    edge["sites"] = [dict(site, upstreams=[{"donor": "b", "address": f"127.0.0.1:{donor_port}"}])
+                     for site in edge["sites"] if site["hostname"] == hostname]
+    procs = []
+    try:
+        for files, where in ((render_host(donor), tmp_path / "donor"),
+                             (render_edge(edge), tmp_path / "edge")):
+            caddyfile = lay_out(files, where)
+            log = open(where / "caddy.log", "w")  # noqa: SIM115 - the process's output
+            procs.append(subprocess.Popen([binary, "run", "--adapter", "caddyfile", "--config",
+                                           str(caddyfile)], stdout=log, stderr=log))
+        import time
+
+        ca = tmp_path / "pki/ca.crt"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if get(edge_port, hostname, "/v1/models", ca) == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "edge/caddy.log").read_text()[-3000:]
+            time.sleep(0.2)
+        vllm.seen.clear()
+        yield {"edge": edge_port, "donor": donor_port, "hostname": hostname, "ca": ca,
+               "vllm": vllm, "pki": Pki(tmp_path / "pki")}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+        vllm.server.shutdown()
+
+
+def test_the_edge_passes_only_what_the_network_serves(live) -> None:
+    edge, hostname, ca, vllm = live["edge"], live["hostname"], live["ca"], live["vllm"]
+    for path in PUBLIC:
+        assert get(edge, hostname, path, ca) == 200, path
+    assert vllm.seen == PUBLIC  # each reached vLLM as asked
+    vllm.seen.clear()
+    statuses = {path: get(edge, hostname, path, ca) for path in NOT_PUBLIC}
+    assert statuses == dict.fromkeys(NOT_PUBLIC, 404)
+    assert vllm.seen == []
+
+
+def test_metrics_only_for_the_operators_certificate_on_the_donor(live) -> None:
+    donor, hostname, ca, vllm = live["donor"], live["hostname"], live["ca"], live["vllm"]
+    operator = tuple(str(p) for p in live["pki"].client_pair("operator-accept"))
+    edge = tuple(str(p) for p in live["pki"].client_pair("front"))
+    assert get(donor, hostname, "/metrics", ca, operator) == 200
+    assert vllm.seen == ["/metrics"]
+    vllm.seen.clear()
+    for path in ("/metrics", "/metrics/", "/METRICS", "/metricsx"):
+        assert get(donor, hostname, path, ca, edge) == 404, path
+    # An edge gets the rest as before.
+    assert get(donor, hostname, "/v1/models", ca, edge) == 200
+    assert vllm.seen == ["/v1/models"]

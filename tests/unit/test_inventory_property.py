@@ -15,6 +15,7 @@ import contextlib
 import copy
 import io
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -113,10 +114,21 @@ def render(doc: dict, work: Path) -> tuple[int, str]:
     """`make render` on this document: exit code and stderr."""
     path = work / "donors.yml"
     doc = copy.deepcopy(doc)
-    if isinstance(doc.get("overrides"), dict):
-        doc["overrides"]["pki_dir"] = str(work / "pki")  # the CA stays in the test's directory
+    # The CA stays in the test's directory, never the checkout's pki/ (tests/unit/conftest.py):
+    # file-wide, and wherever a mutation put a string pki_dir in an entry's overrides.
+    if "overrides" not in doc:
+        doc["overrides"] = {}
+    if isinstance(doc["overrides"], dict):
+        doc["overrides"]["pki_dir"] = str(work / "pki")
+    for group in ("donors", "edges"):
+        entries = doc.get(group)
+        for entry in entries.values() if isinstance(entries, dict) else []:
+            overrides = entry.get("overrides") if isinstance(entry, dict) else None
+            if isinstance(overrides, dict) and isinstance(overrides.get("pki_dir"), str):
+                overrides["pki_dir"] = str(work / "pki")
     path.write_text(yaml.safe_dump(doc, allow_unicode=True))
     names = (list(doc["donors"]) if isinstance(doc.get("donors"), dict) else []) or ["x"]
+    shutil.rmtree(work / "out", ignore_errors=True)  # render refuses an OUT that exists
     stderr = io.StringIO()
     old = os.environ.get("DONORS_FILE")
     os.environ["DONORS_FILE"] = str(path)

@@ -304,3 +304,27 @@ def test_a_card_adds_its_flags_to_every_model(tmp_path: Path) -> None:
         assert render_unit(box, model).splitlines()[-1].startswith("WantedBy")  # still a unit
         assert "--attention-backend FLASHINFER" in " ".join(
             line.strip(" \\") for line in render_unit(box, model).splitlines())
+
+
+# ------------------------------------------------------------------ the hub over plain http ---
+
+def test_a_token_never_goes_to_a_plain_http_hub(tmp_path: Path) -> None:
+    """Issue 21, hole 2: the token would cross the network in clear. Refused at load, even with
+    the test stand-in setting; plain http without a token only with that setting."""
+    token = tmp_path / "hf-token"
+    token.write_text("hf_x\n")
+    refused(with_overrides(tmp_path, {"hf_endpoint": "http://hub.example:8080",
+                                      "hf_token_file": str(token)}),
+            "overrides.hf_endpoint", "plain http")
+    refused(with_overrides(tmp_path, {"hf_endpoint": "http://hub.example:8080",
+                                      "hf_token_file": str(token),
+                                      "hf_endpoint_plain_http_test_standin": True}),
+            "overrides.hf_token_file", "the token would cross the network in clear")
+    refused(with_overrides(tmp_path, {"hf_endpoint": "http://hub.example:8080"}),
+            "overrides.hf_endpoint", "hf_endpoint_plain_http_test_standin")
+    box = load_fleet(with_overrides(tmp_path, {
+        "hf_endpoint": "http://10.213.0.1:8089",
+        "hf_endpoint_plain_http_test_standin": True}))["box"]
+    assert box["hf_endpoint"] == "http://10.213.0.1:8089"
+    box = load_fleet(with_overrides(tmp_path, {"hf_token_file": str(token)}))["box"]
+    assert box["hf_endpoint"].startswith("https://")

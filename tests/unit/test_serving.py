@@ -60,9 +60,10 @@ def test_weights_missing_runs_the_fetcher_as_the_service_user():
         f"--repo turboderp/Qwen3.8-27B-exl3 --revision {REV} "
         "--cache-dir /home/fox/.cache/huggingface/hub "
         "--manifest-dir /home/fox/.cache/uncloseai/weights --endpoint https://huggingface.co")
-    [with_token], _ = plan(model_weights, **{**WEIGHTS, "token_file": "/home/fox/.config/t x"},
+    [with_token], _ = plan(model_weights, **{**WEIGHTS, "token_file": "/opt/uncloseai/s/t x"},
                            complete=False)
-    assert shell_of(with_token).endswith("--token-file '/home/fox/.config/t x'")
+    # Opened by the root shell, read by the fetch on stdin (the service user cannot open it).
+    assert shell_of(with_token).endswith("--token-stdin < '/opt/uncloseai/s/t x'")
 
 
 def test_weights_without_a_pinned_revision_refuse_the_host():

@@ -59,13 +59,14 @@ def two_model_box(tmp_path: Path) -> dict:
 
 def lay_out(data: dict, root: Path) -> Path:
     """Write the host's files under root; TLS and log paths already point into tmp."""
+    on_box = []
     for item in render_host(data):
-        target = Path(item.path) if item.path.startswith(str(root.parent)) else None
-        if target is None:
-            write_tree([item], root)
+        if item.path.startswith(str(root.parent)):
+            Path(item.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(item.path).write_text(item.content)
         else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(item.content)
+            on_box.append(item)
+    write_tree(on_box, root)
     Path(data["caddy_access_log"]).parent.mkdir(parents=True, exist_ok=True)
     return root / "etc/caddy/Caddyfile"
 
@@ -222,12 +223,27 @@ def test_sites_are_named_by_the_public_hostnames(box: dict) -> None:
     assert "hermes.ai.unturf.com:443 {" in text and "qwen.ai.unturf.com" not in text
 
 
+def shipped_donors_in(tmp_path: Path) -> Path:
+    """The shipped donors file with its CA under tmp_path (never the checkout's pki/)."""
+    import yaml
+
+    doc = yaml.safe_load(DONORS_FILE.read_text())
+    doc.setdefault("overrides", {})["pki_dir"] = str(tmp_path / "pki")
+    path = tmp_path / "donors.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def render_cli(tmp_path: Path, host: str, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DONORS_FILE=str(shipped_donors_in(tmp_path)))
+    return subprocess.run([sys.executable, "-m", "donorkit.render_cli", host, str(out)],
+                          cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    env = dict(os.environ, DONORS_FILE=str(DONORS_FILE))
-    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "qwen-3090", str(out)],
-                            cwd=Path(__file__).resolve().parents[2], env=env,
-                            capture_output=True, text=True, timeout=60)
+    out = tmp_path / "new" / "out"
+    result = render_cli(tmp_path, "qwen-3090", out)
     assert result.returncode == 0, result.stderr
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/client-ca.crt",
@@ -237,8 +253,44 @@ def test_render_cli_lays_files_out_as_on_the_box(tmp_path: Path) -> None:
                      "etc/systemd/system/caddy.service.d/uncloseai.conf",
                      "etc/systemd/system/vllm-qwen.service"]
     assert (out / "etc/caddy/tls/qwen-3090.key").stat().st_mode & 0o777 == 0o640
+    # OUT is made by the render itself, private: only its user enters it.
+    assert out.stat().st_mode & 0o777 == 0o700 and out.stat().st_uid == os.geteuid()
     assert "CUDA_HOME=/usr/local/cuda-12.8" in (out / "etc/systemd/system/vllm-qwen.service"
                                                 ).read_text()
+
+
+@pytest.mark.parametrize("planted", ["empty folder", "folder with a planted key",
+                                     "link to a folder", "link to nothing", "file"])
+def test_render_never_writes_through_an_existing_path(tmp_path: Path, planted: str) -> None:
+    """Issue 21, hole 7: OUT under a shared /tmp, prepared by someone else. A planted key file
+    (theirs, readable by them) or a link (root would write where it points) must never receive
+    a key: an OUT that exists in any form is refused, and nothing is written."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    key = "etc/caddy/tls/qwen-3090.key"
+    if planted == "empty folder":
+        out.mkdir()
+    elif planted == "folder with a planted key":
+        (out / key).parent.mkdir(parents=True)
+        (out / key).write_text("planted")
+        (out / key).chmod(0o644)
+    elif planted == "link to a folder":
+        victim.mkdir()
+        out.symlink_to(victim)
+    elif planted == "link to nothing":
+        out.symlink_to(victim)
+    else:
+        out.write_text("planted")
+    result = render_cli(tmp_path, "qwen-3090", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"render: {out} already exists: name a new directory (render makes it, private, and "
+        "never writes through an existing path)"]
+    assert not victim.exists() or list(victim.iterdir()) == []
+    if planted == "folder with a planted key":
+        assert (out / key).read_text() == "planted"
+    assert "PRIVATE KEY" not in "".join(
+        p.read_text() for p in tmp_path.rglob("*") if p.is_file() and "pki" not in p.parts
+        and p.suffix != ".yml")
 
 
 def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:

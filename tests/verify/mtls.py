@@ -9,21 +9,31 @@ import socket
 import ssl
 from pathlib import Path
 
-from donorkit.paths import repo_path
+from donorkit.paths import pki_dir
+from donorkit.pki import OPERATOR_CLIENT, Pki
 
 
 def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
-    """The client certificate and key, in this machine's PKI folder, of a client the donor
-    trusts (a current edge or the operator: fleet.py's `trusted_clients`), or None."""
+    """The client certificate and key, in this machine's PKI folder, of an edge the donor trusts
+    (a current edge: fleet.py's `trusted_clients`, less the operator's own, OPERATOR_CLIENT,
+    which a donor gives more: /metrics), or None."""
     for name in data["trusted_clients"]:
-        cert = repo_path(data["pki_dir"]) / "edges" / f"{name}.crt"
+        if name == OPERATOR_CLIENT:
+            continue
+        cert = pki_dir(data) / "edges" / f"{name}.crt"
         if cert.is_file() and cert.with_suffix(".key").is_file():
             return cert, cert.with_suffix(".key")
     return None
 
 
+def operator_client_pair(data: dict) -> tuple[Path, Path]:
+    """The operator's own client certificate and key (issued here if missing, as `make accept`
+    does)."""
+    return Pki(pki_dir(data)).client_pair(OPERATOR_CLIENT)
+
+
 def ca_file(data: dict) -> Path | None:
-    ca = repo_path(data["pki_dir"]) / "ca.crt"
+    ca = pki_dir(data) / "ca.crt"
     return ca if ca.is_file() else None
 
 

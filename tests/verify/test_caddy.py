@@ -11,6 +11,7 @@ from boxcheck import loggers_for_host, missing, need_systemd, reverse_proxies, r
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.paths import pki_dir
 
 NS_PER_S = 10**9
 
@@ -155,7 +156,7 @@ def test_tls_certificate(host: Host, data: dict) -> None:
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     names = sorted(sans.get_values_for_type(x509.DNSName))
     assert names == sorted(r["hostname"] for r in data["routes"]), f"certificate names {names}"
-    ca_path = render.REPO_ROOT / data["pki_dir"] / "ca.crt"
+    ca_path = pki_dir(data) / "ca.crt"
     if not ca_path.is_file():
         pytest.skip(f"certificate names are right; no {ca_path} here to check who issued it")
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_path.read_bytes()))

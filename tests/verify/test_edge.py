@@ -15,12 +15,12 @@ from boxcheck import missing
 from testinfra.host import Host
 
 from donorkit import render
-from donorkit.paths import repo_path
+from donorkit.paths import pki_dir
 
 
 def _on_box_ca(host: Host, data: dict) -> str:
     """A shell prefix that writes our CA (from this machine) to $ca on the box, or uses -k."""
-    ca = repo_path(data["pki_dir"]) / "ca.crt"
+    ca = pki_dir(data) / "ca.crt"
     text = ca.read_text() if ca.is_file() else ""
     return (f"ca=$(mktemp); trap 'rm -f \"$ca\"' EXIT; printf '%s' {shlex.quote(text)} "
             "> \"$ca\"; ") + ("verify=--cacert; " if text else "verify=-k; ca=; ")
@@ -53,7 +53,7 @@ def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
     wanted = ["ca", "client_cert", "client_key"]
     if edge_data["public_tls"] == "private_ca":
         wanted += ["public_cert", "public_key"]
-    pki = repo_path(edge_data["pki_dir"])
+    pki = pki_dir(edge_data)
     name = edge_data["edge_name"]
     local = {"ca": pki / "ca.crt", "client_cert": pki / "edges" / f"{name}.crt",
              "client_key": pki / "edges" / f"{name}.key",

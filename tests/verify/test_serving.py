@@ -46,3 +46,22 @@ def test_version_through_caddy(host: Host, data: dict, route: str, route_model: 
     _ready(host, route_model)
     code, body = _through_caddy(host, data, route, "/version")
     assert code == 200, f"/version via {route}: HTTP {code} {body[:200]}"
+
+
+def test_metrics_through_caddy_for_the_operator_only(host: Host, data: dict, route: str,
+                                                    route_model: dict) -> None:
+    """vLLM's /metrics is the operator's (issue 21, hole 8): through the donor's Caddy an edge's
+    client certificate gets Caddy's own 404 (empty body, vLLM never asked), the operator's own
+    certificate gets the metrics."""
+    _ready(host, route_model)
+    code, body = _through_caddy(host, data, route, "/metrics")
+    assert (code, body) == (404, ""), f"/metrics via {route} with an edge's certificate: " \
+        f"HTTP {code} {body[:200]}"
+    try:
+        code, body = mtls.get(data["ssh_hostname"], data["caddy_https_port"], route, "/metrics",
+                              mtls.ca_file(data), mtls.operator_client_pair(data))
+    except OSError as exc:
+        pytest.fail(f"GET /metrics via {route} with the operator's certificate: {exc}",
+                    pytrace=False)
+    assert code == 200 and "vllm:" in body, f"/metrics via {route} with the operator's " \
+        f"certificate: HTTP {code} {body[:200]}"

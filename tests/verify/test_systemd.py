@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from boxcheck import (
     SERVICE_PROPERTIES,
     expected_environment,
@@ -13,6 +15,7 @@ from boxcheck import (
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.serving import hf_token_path, home_token_path
 
 
 def test_unit_enabled(host: Host, m: dict) -> None:
@@ -105,3 +108,21 @@ def test_unit_is_sandboxed(host: Host, m: dict) -> None:
     assert (state["NoNewPrivileges"], state["ProtectSystem"], state["ProtectHome"],
             state["CapabilityBoundingSet"], state["PrivateTmp"]) == (
         "yes", "strict", "tmpfs", "", "yes"), f"{m['unit']}: {state}"
+
+
+def test_hf_token_only_where_root_alone_reads_it(host: Host, data: dict) -> None:
+    """Issue 21, hole 8. The service user's home is the vLLM units': no token there. With a
+    token in the inventory it is root's, 0600 in a 0700 folder of root's, and the service user
+    (each vLLM unit's User=) cannot open it (the weights step's root shell hands it to the fetch
+    on stdin); without one, there is none on the box either."""
+    home_copy = home_token_path(data["service_home"])
+    assert not host.file(home_copy).exists, f"{home_copy}: a token in the service user's home"
+    token = host.file(hf_token_path(data["install_root"]))
+    if not data["hf_token_file"]:
+        assert not token.exists, f"{token.path}: a token on the box, none in the inventory"
+        return
+    folder = host.file(str(PurePosixPath(token.path).parent))
+    assert (token.user, token.group, token.mode) == ("root", "root", 0o600), token.path
+    assert (folder.user, folder.group, folder.mode) == ("root", "root", 0o700), folder.path
+    tried = host.run("runuser -u %s -- cat %s", data["service_user"], token.path)
+    assert tried.rc != 0 and "Permission denied" in tried.stderr, (tried.rc, tried.stderr)
