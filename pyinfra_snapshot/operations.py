@@ -214,18 +214,17 @@ def system_user(user: str, home: str, shell: str, account: dict | None):
         host.noop(f"user {user} is in place")
 
 
-VENV_STAMP = ".uncloseai-installed"
+VENV_BUSY = ".uncloseai-installing"
 
 
-def _venv_stamp(venv_dir: str) -> str:
-    return f"{venv_dir}/{VENV_STAMP}"
+def _venv_busy(venv_dir: str) -> str:
+    return f"{venv_dir}/{VENV_BUSY}"
 
 
 @operation(installed=lambda op: need(VenvDistributions, venv_dir=op.venv_dir),
-           done=lambda op: need(PathStates, paths=[_venv_stamp(op.venv_dir)],
-                                digest=[_venv_stamp(op.venv_dir)]) if op.uv else None)
+           busy=lambda op: need(PathStates, paths=[_venv_busy(op.venv_dir)]) if op.uv else None)
 def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
-                  done: dict | None, install_args: list[str] | None = None,
+                  busy: dict | None, install_args: list[str] | None = None,
                   install: list[str] | None = None, uv: str | None = None):
     """Each requirement (`name==version` and the like) satisfied in the venv (the distributions
     its site-packages holds); the installer installs them all together when any is not, so its
@@ -236,12 +235,13 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
     `uv` (a requirement, `uv==0.13.9`): install with uv, itself installed into the venv by the
     venv's pip from the same index when the venv lacks that version (so the box needs no other
     source); uv uses the box's own certificate store, as pip does. None: the venv's pip.
-    uv installs a set's distributions in parallel, in no order: killed midway, it can leave a
-    requirement's distribution in place without all of that distribution's own dependencies
-    (seen on the testbed: torch present, libcusparseLt missing). So with uv, a completion stamp
-    (`<venv>/.uncloseai-installed`, the digest of what was asked) is removed before installing
-    and written after uv succeeded, and the set is met only with the distributions AND the
-    stamp (read through the snapshot: no extra remote command)."""
+    uv installs a set's distributions in parallel, in no order: killed midway, it can leave the
+    requirements' distributions in place without all of their own dependencies' files (seen on
+    the testbed: torch present, libcusparseLt.so.0 missing). So with uv a marker
+    (`<venv>/.uncloseai-installing`) is made before installing and removed once uv succeeded; a
+    venv that has it is not converged, and the next install is `--reinstall` (every
+    distribution of the set laid out again, from uv's cache). The marker is read through the
+    snapshot: no extra remote command."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     def parsed(spec: str) -> Requirement:
@@ -259,27 +259,24 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
         return None
 
     unmet = [m for m in (met(parsed(spec)) for spec in packages) if m]
-    args = install_args or []
-    asked = hashlib.sha256(" ".join([*args, *(install or packages)]).encode()).hexdigest()
-    stamp = _venv_stamp(venv_dir)
-    finished = uv is None or (done or {}).get(stamp, {}).get("sha256") == hashlib.sha256(
-        asked.encode()).hexdigest()
-    if not unmet and finished:
+    args, marker = install_args or [], _venv_busy(venv_dir)
+    interrupted = uv is not None and marker in (busy or {})
+    if not unmet and not interrupted:
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
     pip, specs = q(f"{venv_dir}/bin/pip"), [*map(q, install or packages)]
     if uv is None:
         yield " ".join([pip, "install", "-q", *map(q, args), *specs])
         return
-    steps = [f"rm -f {q(stamp)}"]
+    steps = [f"touch {q(marker)}"]
     if met(parsed(uv)):
         # From the same index as the rest (PyPI, or the operator's mirror of it).
         index = args[args.index("--index-url"):][:2] if "--index-url" in args else []
         steps.append(" ".join([pip, "install", "-q", *map(q, index), q(uv)]))
     steps.append(" ".join([q(f"{venv_dir}/bin/uv"), "pip", "install", "--python",
                            q(f"{venv_dir}/bin/python"), "-q", "--system-certs",
-                           *map(q, args), *specs]))
-    steps.append(f"printf %s {asked} > {q(stamp)}")
+                           *(["--reinstall"] if interrupted else []), *map(q, args), *specs]))
+    steps.append(f"rm -f {q(marker)}")
     yield " && ".join(steps)
 
 
