@@ -151,26 +151,19 @@ def test_each_card_gets_the_driver_minimum_of_its_cuda() -> None:
     assert fleet["hermes-4090"]["driver_minimum_cuda"] == "13.3"
 
 
-def test_a_variant_without_a_driver_minimum_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("line, field, cuda", [
+    ('  "12.9": "575.51.03"\n', "cards.rtx3090.vllm_variant", "12.9"),  # the venv's runtime
+    ('  "12.8": "570.26"\n', "cards.rtx3090.cuda", "12.8"),             # the toolkit
+])
+def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path, line: str,
+                                                            field: str, cuda: str) -> None:
     defaults = (REPO_ROOT / "inventory/defaults.yml").read_text()
     broken = tmp_path / "defaults.yml"
-    broken.write_text(defaults.replace('  "12.9": "575.51.03"\n', ""))
+    broken.write_text(defaults.replace(line, ""))
     with pytest.raises(FleetError) as caught:
         load_fleet(DONORS_FILE, broken)
-    assert str(caught.value) == (f"{broken}: field 'cards.rtx3090.vllm_variant': CUDA 12.9 has "
-                                 "no driver minimum (a version like 580.65.06) under "
-                                 "cuda_driver_minimums")
-
-
-def test_a_cuda_version_without_a_driver_minimum_is_refused(tmp_path: Path) -> None:
-    defaults = (REPO_ROOT / "inventory/defaults.yml").read_text()
-    broken = tmp_path / "defaults.yml"
-    broken.write_text(defaults.replace('  "12.8": "570.26"\n', ""))
-    with pytest.raises(FleetError) as caught:
-        load_fleet(DONORS_FILE, broken)
-    assert str(caught.value) == (f"{broken}: field 'cards.rtx3090.cuda': CUDA 12.8 has no "
-                                 "driver minimum (a version like 580.65.06) under "
-                                 "cuda_driver_minimums")
+    assert str(caught.value) == (f"{broken}: field '{field}': CUDA {cuda} has no driver "
+                                 "minimum (a version like 580.65.06) under cuda_driver_minimums")
 
 
 CPU_DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
