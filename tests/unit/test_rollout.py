@@ -186,7 +186,13 @@ def test_a_failed_take_out_resumes_from_the_first_box_of_the_batch(tmp_path, mon
 
 
 def test_ctrl_c_prints_the_resume_line_and_unlocks(tmp_path, monkeypatch, capsys):
-    rc, _, fleet = run_main(monkeypatch, tmp_path, {"interrupt": "c"}, ["--batch", "2"])
+    # Python's own SIGINT handler, as in a terminal: a job started in the background of a
+    # non-interactive shell inherits SIGINT ignored, and Ctrl-C would never arrive.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc, _, fleet = run_main(monkeypatch, tmp_path, {"interrupt": "c"}, ["--batch", "2"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert rc == 130 and "rollout: INTERRUPTED" in err, err
     assert "in batch: a, c (any of them may be out of the edges' pools" in err, err
