@@ -74,6 +74,10 @@ FIGURES: dict[str, Literal["higher", "lower"]] = {
 # ------------------------------------------------------------------ tool-call cases -----------
 
 
+# vLLM answers a tools request only where the model is served with this flag (and a parser).
+TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
+
+
 def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
     return {"type": "function", "function": {
         "name": name, "description": description,
@@ -189,6 +193,7 @@ class Target:
     stack: dict = field(default_factory=dict)   # pinned versions from the inventory
     client: tuple[str, str] | None = None       # client certificate and key presented, if any
     route: str = ""                             # which way the requests go, and why
+    tool_calls: bool = True     # the model's flags enable tool calling (--enable-auto-tool-choice)
 
 
 def _connect_url(hostname: str, port: int) -> str:
@@ -266,7 +271,8 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
                 hostname=route["hostname"], base_url=base, ca_file=ca_file, workload=workload,
                 card_acceptance=card_acc, tolerance=settings.tolerance,
                 stack={k: data[k] for k in ("vllm_version", "torch_version") if k in data},
-                client=client, route=route_note))
+                client=client, route=route_note,
+                tool_calls=TOOL_CHOICE_FLAG in model["args"]))
     return targets
 
 # ------------------------------------------------------------------ measuring -----------------
@@ -415,6 +421,13 @@ async def measure(target: Target, progress: Callable[[str], None]) -> dict:
             "median_ttft_s": statistics.median(r["ttft_s"] for r in runs)}
 
         acc = target.card_acceptance
+        if not target.tool_calls:
+            # A model served without tool calling (the seed's qwen unit) answers every tools
+            # request with 400: nothing to measure, and not a failure of this box.
+            out["details"]["tool_calls"] = (f"not enabled: the model's args have no "
+                                            f"{TOOL_CHOICE_FLAG}")
+            out["figures"]["tool_calls_ok"] = None
+            return out
         cases = []
         for i, case in enumerate(TOOL_CASES, 1):
             progress(f"tool call {i}/{len(TOOL_CASES)} ({case.name})")

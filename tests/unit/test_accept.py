@@ -347,3 +347,16 @@ def test_only_the_resolver_reads_pki_dir() -> None:
             if re.search(r"""\[["']pki_dir["']\]|\.pki_dir\b""", text):
                 readers.append(str(path.relative_to(REPO_ROOT)))
     assert readers == ["donorkit/paths.py"], readers
+
+
+def test_tool_calls_are_measured_only_where_the_model_is_served_with_them(
+        tmp_path: Path) -> None:
+    """The seed's qwen unit has no --enable-auto-tool-choice: vLLM answers every tools request
+    with 400 (seen on the H200, 2026-12-01), so accept must not count that against the box;
+    hermes has the flag and its tool calls are measured."""
+    fleet, _ = load_inventory(REPO_ROOT / "gpu/engine.yml")
+    for data in fleet.values():
+        data["pki_dir"] = str(tmp_path / "pki")
+    targets = {t.model: t for t in a.targets_from_fleet(fleet, "http://127.0.0.1:1", {})}
+    assert targets["qwen"].tool_calls is False
+    assert targets["hermes"].tool_calls is True
