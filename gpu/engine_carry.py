@@ -212,8 +212,9 @@ def main() -> int:
     render_units()
     chunks = split_into_chunks()
     size = sum((c / "part").stat().st_size for c in chunks)
-    print(f"{len(chunks)} chunks, {size / 2**20:.0f} MiB: carry=['.gpu-engine/carry/NN'] one call "
-          f"each, then bash gpu/engine_device.sh (README: 'The real engine on a GPU')")
+    print(f"{len(chunks)} chunks, {size / 2**20:.0f} MiB: `python3 gpu/engine_run.py receive` "
+          f"with carry=['.gpu-engine/carry/NN'], one call each; the last one also `launch` and "
+          f"`follow` (docs/gpu.md)")
     return 0
 
 

@@ -21,7 +21,9 @@ copied to $OUT by `follow`):
    not in this repository; the stand-in has plain weights). Not applied: the unit's sandbox and
    MemoryMax (no systemd here); the peak host memory is recorded against MemoryMax instead.
    Runs: qwen cold (empty JIT caches), qwen warm, hermes cold, hermes warm, then the negative
-   control: qwen, empty caches, the unit's PATH without .../nvvm/bin.
+   control: qwen, empty caches, the unit's PATH without .../nvvm/bin; last, qwen as another box
+   of the stack would start it: vLLM and FlashInfer reinstalled (new file times), the cold run's
+   caches copied in after them (file times of the copy).
    Per run: start to ready (/v1/models lists the checkpoint), peak GPU memory, peak host memory,
    /version, a chat completion, 12 concurrent 256-token completions, /metrics names, the hermes
    tool call (auto and forced), and on warm runs `make accept`'s engine checks (--via loopback).
@@ -34,6 +36,7 @@ import hashlib
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -50,14 +53,15 @@ from pathlib import Path
 ROOT = Path("/root/engine")
 CHUNKS, STAGE, RESULTS, REPO = ROOT / "chunks", ROOT / "stage", ROOT / "results", ROOT / "repo"
 PROGRESS = RESULTS / "progress.log"
+CACHE_COPY = ROOT / "qwen-caches.tar"
 HERE = Path(__file__).resolve().parent.parent
 CARRY = HERE / ".gpu-engine" / "carry"
 UNITS = {"qwen": "render/h200-qwen/etc/systemd/system/vllm-qwen.service",
          "hermes": "render/h200-hermes/etc/systemd/system/vllm-hermes.service"}
 DONORS = {"qwen": "h200-qwen", "hermes": "h200-hermes"}
 RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
-READY_TIMEOUT = 900
-NEGATIVE_TIMEOUT = 300
+READY_TIMEOUT = 600
+NEGATIVE_TIMEOUT = 420
 JIT_FAILURES = ("nvcc: not found", "Could not find nvcc", "cicc: command not found", "cicc",
                 "ninja: build stopped", "RuntimeError", "Error", "error:")
 
@@ -199,11 +203,44 @@ def hub_cache(home: Path, checkpoint: str, folder: Path, owner: str) -> str:
     return commit
 
 
+def jit_caches(home: Path) -> list[Path]:
+    """The JIT caches (FlashInfer's, vLLM's torch.compile, Triton's, CUDA's): not the weights."""
+    return [p for p in [*(home / ".cache").glob("*"), home / ".triton", home / ".nv"]
+            if p.name != "huggingface" and p.exists()]
+
+
 def wipe_caches(home: Path) -> None:
-    """Empty JIT caches (FlashInfer, vLLM's torch.compile, Triton, CUDA's), the weights kept."""
-    for path in [*(home / ".cache").glob("*"), home / ".triton", home / ".nv"]:
-        if path.name != "huggingface":
-            shutil.rmtree(path, ignore_errors=True)
+    for path in jit_caches(home):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def keep_caches(home: Path) -> dict:
+    """A copy of the caches a cold start left, as an operator's machine would fetch them."""
+    with tarfile.open(CACHE_COPY, "w") as tar:
+        for path in jit_caches(home):
+            tar.add(path, arcname=str(path.relative_to(home)))
+    return {"bytes": CACHE_COPY.stat().st_size}
+
+
+def sibling_box(venv: Path, home: Path, owner: str) -> dict:
+    """Another box of the stack: vLLM and FlashInfer installed afresh (new file times), empty
+    caches, then the first box's caches copied in, with the time of the copy as their file
+    times (2026-12-01, with the first box's file times kept, FlashInfer rebuilt every kernel:
+    its sources were newer than the copied objects, and ninja decides by file times)."""
+    started = time.monotonic()
+    wipe_caches(home)
+    table = json.loads((STAGE / "requirements.json").read_text())["carried"]
+    wheels = [str(STAGE / "wheels" / table[n]["wheel"]) for n in ("vllm", "flashinfer-python")]
+    subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--force-reinstall", "--no-compile", "--disable-pip-version-check", *wheels],
+                   check=True)
+    with tarfile.open(CACHE_COPY) as tar:
+        tar.extractall(home, filter="tar")
+        copied = time.time()
+        for member in tar.getmembers():
+            os.utime(home / member.name, (copied, copied), follow_symlinks=False)
+    subprocess.run(["chown", "-R", f"{owner}:{owner}", str(home)], check=True)
+    return {"seconds": round(time.monotonic() - started, 1)}
 
 
 # ------------------------------------------------------------------ one engine -----------------
@@ -381,7 +418,7 @@ def daemon() -> None:
 
     qwen_folder = STAGE / "models/qwen"
     plan = [("qwen", "cold"), ("qwen", "warm"), ("hermes", "cold"), ("hermes", "warm"),
-            ("qwen", "no-nvvm-bin")]
+            ("qwen", "no-nvvm-bin"), ("qwen", "copied-cache")]
     for name, kind in plan:
         _, env, argv = units[name]
         env, argv = dict(env), list(argv)
@@ -395,7 +432,12 @@ def daemon() -> None:
         if qwen_folder.name == "qwen-dense" and name == "qwen":
             env.pop(RETENTION, None)
             notes.append(f"dense fallback: {RETENTION} dropped (no Mamba layers)")
-        if kind != "warm":
+        if kind == "copied-cache":
+            if not CACHE_COPY.exists():
+                continue
+            notes.append(f"another box: fresh vLLM/FlashInfer install, the cold run's caches "
+                         f"copied in ({sibling_box(venv, home, user)['seconds']} s)")
+        elif kind != "warm":
             wipe_caches(home)
         if kind == "no-nvvm-bin":
             env["PATH"] = ":".join(p for p in env["PATH"].split(":")
@@ -407,6 +449,8 @@ def daemon() -> None:
         run.update(notes=notes, snapshot=f"{folder.name}@{commit[:12]}",
                    environment=env, exec_start=argv)
         results["runs"].append(run)
+        if (name, kind) == ("qwen", "cold") and run["outcome"] == "ready":
+            run["caches_kept"] = keep_caches(home)
         save()
         if name == "qwen" and kind == "cold" and run["outcome"] != "ready" \
                 and qwen_folder.name == "qwen":
@@ -419,23 +463,65 @@ def daemon() -> None:
     say("DONE")
 
 
-def table() -> None:
-    results = json.loads((RESULTS / "results.json").read_text())
+STAMP = re.compile(r"(?:^|\s)(?:\d{2}-\d{2}|\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}):(\d{2})[ ,]")
+MARKS = {"autotune_start": "Autotuning process starts",
+         "autotune_end": "Autotuning process ends",
+         "attention_warmup": "Warming up FlashInfer attention",
+         "graphs": "Graph capturing finished",
+         "jit_monitor": "Kernel JIT monitor activated"}
+
+
+def phases(log: str) -> dict:
+    """Where an engine's start went, from vLLM's own log lines: torch.compile and the engine's
+    init as vLLM reports them; FlashInfer's JIT under the autotuner, its attention warmup, and
+    the quiet stretch after CUDA graphs until the JIT monitor starts, from the lines' times."""
+    seen: dict[str, int] = {}
+    out: dict = {}
+    for line in log.splitlines():
+        if m := re.search(r"torch\.compile took ([\d.]+) s in total", line):
+            out["torch_compile_s"] = float(m.group(1))
+        if m := re.search(r"init engine \(.*\) took ([\d.]+) s", line):
+            out["init_engine_s"] = float(m.group(1))
+        stamp = STAMP.search(line)
+        for key, text in MARKS.items():
+            if text in line and stamp and key not in seen:
+                h, mi, se = map(int, stamp.groups())
+                seen[key] = h * 3600 + mi * 60 + se
+    spans = {"flashinfer_autotune_s": ("autotune_start", "autotune_end"),
+             "attention_warmup_s": ("attention_warmup", "graphs"),
+             "after_graphs_s": ("graphs", "jit_monitor")}
+    for name, (start, end) in spans.items():
+        if start in seen and end in seen:
+            out[name] = (seen[end] - seen[start]) % 86400
+    return out
+
+
+def table(results_dir: Path = RESULTS) -> None:
+    results = json.loads((results_dir / "results.json").read_text())
     lines = [f"GPU: {results.get('gpu')}", "",
-             "| engine | run | outcome | start to ready (s) | peak GPU MiB | peak host GiB | "
-             "chat | 12x256 wall (s) | tool call (forced) | accept rc |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
+             "| engine | run | outcome | start to ready (s) | init engine (s) | torch.compile (s) "
+             "| FlashInfer JIT+autotune (s) | attention warmup (s) | after graphs (s) "
+             "| peak GPU MiB | peak host GiB | chat | 12x256 wall (s) | tool call (forced) "
+             "| accept rc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs = results["runs"]
+    for i, r in enumerate(runs):
         c = r.get("checks", {})
         forced = c.get("tool_forced", {}).get("tool_calls")
+        later = any((x["model"], x["run"]) == (r["model"], r["run"]) for x in runs[i + 1:])
+        log = results_dir / f"{r['model']}-{r['run']}{'-first' if later else ''}.log"
+        ph = phases(log.read_text(errors="replace")) if log.exists() else {}
         lines.append(
             f"| {r['model']} ({r.get('snapshot', '')}) | {r['run']} | {r['outcome']} | "
-            f"{r.get('start_to_ready_s', '')} | {r['peak_gpu_mib']} | {r['peak_host_gib']} | "
+            f"{r.get('start_to_ready_s', '')} | {ph.get('init_engine_s', '')} | "
+            f"{ph.get('torch_compile_s', '')} | {ph.get('flashinfer_autotune_s', '')} | "
+            f"{ph.get('attention_warmup_s', '')} | {ph.get('after_graphs_s', '')} | "
+            f"{r['peak_gpu_mib']} | {r['peak_host_gib']} | "
             f"{c.get('chat', {}).get('status', '')} | "
             f"{c.get('concurrent_12x256', {}).get('wall_s', '')} | "
-            f"{'parsed' if isinstance(forced, list) else (forced or '')} | "
+            f"{'parsed' if isinstance(forced, list) else ('not parsed' if forced else '')} | "
             f"{r.get('accept', {}).get('rc', '')} |")
-    (RESULTS / "table.md").write_text("\n".join(lines) + "\n")
+    (results_dir / "table.md").write_text("\n".join(lines) + "\n")
 
 
 # ------------------------------------------------------------------ the calls -------------------
@@ -490,9 +576,9 @@ def follow(max_seconds: float) -> None:
     for name in ("results.json", "table.md", "progress.log", "daemon.log"):
         if (RESULTS / name).exists():
             shutil.copy(RESULTS / name, out / name)
-    tails = [f"==== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-150:])
-             for p in sorted(RESULTS.glob("*-*.log"))]
-    (out / "engine-logs.txt").write_text("\n".join(tails) + "\n")
+    with tarfile.open(out / "engine-logs.tar.gz", "w:gz") as tar:  # whole: phases are read off
+        for path in sorted(RESULTS.glob("*-*.log")):
+            tar.add(path, arcname=path.name)
     if (RESULTS / "accept").exists():
         shutil.make_archive(str(out / "accept"), "gztar", RESULTS / "accept")
 
@@ -509,8 +595,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["receive", "launch", "follow", "daemon", "table"])
     parser.add_argument("--max", type=float, default=540, help="follow: seconds at most")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="table: a results folder (results.json and the engines' logs)")
     args = parser.parse_args()
-    {"receive": receive, "launch": launch, "daemon": daemon_or_say, "table": table,
+    {"receive": receive, "launch": launch, "daemon": daemon_or_say,
+     "table": lambda: table(args.results),
      "follow": lambda: follow(args.max)}[args.step]()
 
 

@@ -15,8 +15,8 @@ are JIT-compiled and autotuned, and the OpenAI server, chat template and tool pa
   but for one expert layer (vLLM's Qwen3-Next needs one), head_dim 128. Plain fp16 weights: the
   unit's `--quantization exl3` needs the operator's own vllm-exl3 plugin, which is not in this
   repository (the harness drops that one flag and says so). Small linear-attention heads keep
-  the recurrent state under 64 tokens of attention KV, so the attention block size stays within
-  FlashInfer's limit on Hopper.
+  the recurrent state under 16 tokens of attention KV, so the scheduler's block stays 16 (the
+  retention interval must be a multiple of it); two value heads per key head as in Qwen3-Next.
 - qwen-dense: a plain Qwen3 (full attention only), the fallback the harness uses if the hybrid
   does not start; with it the retention variable must be dropped (recorded as such).
 - hermes: Llama-3.1-shaped in AWQ format (4-bit, group 128, GEMM layout, zero points), so the
@@ -48,7 +48,14 @@ QWEN_HYBRID = {
     "num_hidden_layers": 4,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+    # Two value heads per key head, as Qwen3-Next has them (16 key heads, 32 value heads): with
+    # one per key head vLLM 0.26.0's packed decode gets strided a/b views and dies ("`a`/`b`
+    # must be contiguous in the last dim", seen on the H200: qwen_gdn_linear_attn.py reshapes
+    # the interleaved layout into a view). Small heads keep a layer's recurrent state (about
+    # 4.8 KiB) under 16 tokens of attention KV, so the scheduler's block stays 16 and the seed's
+    # retention interval (6400) a multiple of it; vLLM's CuTe DSL decode kernel wants 128-wide
+    # heads and falls back to its Triton one (a warning).
+    "linear_num_key_heads": 1, "linear_num_value_heads": 2,
     "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
     # vLLM's Qwen3-Next wants at least one expert layer ("No Qwen3Next layer found in the
     # model.layers", seen on the H200): the last layer has 4 experts, 2 per token.
