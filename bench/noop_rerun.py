@@ -82,6 +82,7 @@ def donors_file(names: list[tuple[str, str]], path: Path,
             entry.update(ssh_host=relays[name][0], ssh_port=relays[name][1],
                          ssh_known_hosts_file=str(WORK / "known_hosts.relayed"))
         doc["donors"][name] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no .testbed/ yet
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
