@@ -50,8 +50,8 @@ import yaml
 
 from bench.noop_rerun import donors_file
 from donorkit.fleet import DEFAULTS_FILE, read_yaml
+from donorkit.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 BASELINE = "5a63750"  # main before issue 22: the venv installed with pip

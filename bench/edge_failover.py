@@ -12,6 +12,8 @@ Printed per case: requests, answered by A / by B, failed (with their times after
 long until B got no more requests, how long after the start until B got one again.
 A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.Fleet's
 take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
+from donorkit.paths import REPO_ROOT
+from donorkit.paths import REPO_ROOT
 from its output file instead of its journal) around a model restart of A, then of B, under
 the same loop: requests, failed, and how long each box took to leave and to rejoin the pool.
 
@@ -35,11 +37,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from donorkit import render  # noqa: E402
-from donorkit.fleet import load_inventory  # noqa: E402
+from donorkit import render
+from donorkit.fleet import load_inventory
+from donorkit.paths import REPO_ROOT
 
 HOSTNAME = "hermes.ai.unturf.com"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"

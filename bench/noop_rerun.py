@@ -49,9 +49,9 @@ from pathlib import Path
 import yaml
 
 from bench.latency_relay import Relay
+from donorkit.paths import REPO_ROOT
 from tests.testbed import hosts as bed
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"

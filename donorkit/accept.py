@@ -49,8 +49,8 @@ from typing import Any, Literal
 import httpx2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
-from donorkit.paths import pki_dir
+from donorkit.fleet import FleetError, load_inventory
+from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, PkiError
 from donorkit.render import pki_for
 from donorkit.schema import (

@@ -60,10 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from donorkit import schema
-from donorkit.paths import pki_dir
+from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.render import drain_flag
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_INVENTORY = "inventory/gpus.py"
 
 

@@ -2,7 +2,7 @@
 type, shape and range, in one place. Read this file as the reference of what the data may say.
 
 Validated with pydantic v2 (already installed as a dependency of pyinfra; pinned in
-requirements.txt): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
+pyproject.toml): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
 refused, and each error located by a path (`models.qwen.port`) that donorkit.fleet turns into one
 line naming the file, the donor and the field.
 

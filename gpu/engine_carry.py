@@ -1,7 +1,7 @@
 """Build what the real-engine GPU harness carries to the lent GPU machine (no network there), from
 this repository alone, as 62 MiB chunks: one `run` call carries one of them.
 
-    .venv/bin/python gpu/engine_carry.py        # or: make gpu-engine-carry
+    .venv/bin/python -m gpu.engine_carry       # or: make gpu-engine-carry
     -> .gpu-engine/carry/NN/part                # carry=[".gpu-engine/carry/NN"], one call each
        .gpu-engine/stage/                       # what the chunks hold, unpacked
 
@@ -33,11 +33,10 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS  # noqa: E402
+from donorkit.paths import REPO_ROOT
+from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS
 
-WORK = REPO / ".gpu-engine"
+WORK = REPO_ROOT / ".gpu-engine"
 STAGE, CARRY, CACHE = WORK / "stage", WORK / "carry", WORK / "cache"
 CHUNK = 62 * 2**20
 VLLM = "vllm==0.26.0"
@@ -169,15 +168,15 @@ def make_checkpoints() -> None:
         run(sys.executable, "-m", "venv", venv)
         run(venv / "bin/pip", "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
             "transformers==5.17.0", "safetensors==0.8.0", "tokenizers==0.23.3", "numpy==2.3.5")
-    run(venv / "bin/python", REPO / "gpu/tiny_checkpoints.py", STAGE / "models",
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+    run(venv / "bin/python", REPO_ROOT / "gpu/tiny_checkpoints.py", STAGE / "models",
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
 def render_units() -> None:
     shutil.rmtree(WORK / "pki", ignore_errors=True)
     for donor in ("h200-qwen", "h200-hermes"):
         run(sys.executable, "-m", "donorkit.render_cli", donor, STAGE / "render" / donor,
-            cwd=REPO, env={**os.environ, "DONORS_FILE": str(REPO / "gpu/engine.yml")},
+            cwd=REPO_ROOT, env={**os.environ, "DONORS_FILE": str(REPO_ROOT / "gpu/engine.yml")},
             stdout=subprocess.DEVNULL)
 
 

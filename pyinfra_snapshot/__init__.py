@@ -33,7 +33,7 @@ def check_pyinfra(found: str | None) -> None:
         f"pyinfra_snapshot was written for pyinfra {', '.join(SUPPORTED_PYINFRA)}.x, but pyinfra "
         f"{found or '(not installed)'} is installed. It relies on pyinfra's operation results "
         "(OperationMeta), its State's stages and per-host operation data, FactBase and the "
-        "ssh_paramiko_connect_kwargs hook: install a supported pyinfra (requirements.txt pins "
+        "ssh_paramiko_connect_kwargs hook: install a supported pyinfra (pyproject.toml pins "
         "one), or run pyinfra_snapshot/tests against the new version and add it to "
         "SUPPORTED_PYINFRA.")
 

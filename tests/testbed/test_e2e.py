@@ -35,11 +35,11 @@ import yaml
 
 from donorkit import render
 from donorkit.fleet import load_fleet
+from donorkit.paths import REPO_ROOT
 from pyinfra_snapshot.facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors.yml"
 GOOD, BAD, SECOND, OLD = "tb-4090", "tb-3090", "tb-4090b", "tb-olddriver"

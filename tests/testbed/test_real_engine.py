@@ -39,12 +39,12 @@ import pytest
 
 from donorkit.accept import OPERATOR_CLIENT, Record
 from donorkit.fleet import load_fleet
+from donorkit.paths import REPO_ROOT
 from donorkit.render import pki_for
 from tests.testbed import cpu_engine, www
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
 NAME, IP = "tb-cpu", "10.213.0.15"

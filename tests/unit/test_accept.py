@@ -15,7 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from donorkit import accept as a
-from donorkit.fleet import REPO_ROOT, load_inventory
+from donorkit.fleet import load_inventory
+from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki
 
 BASE = a.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")

@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from donorkit.paths import REPO_ROOT
+
 SCRIPT = REPO_ROOT / "pyinfra_snapshot/apt_get.sh"
 HOLD = ("import fcntl, sys, time\n"
         "f = open(sys.argv[1], 'w')\n"

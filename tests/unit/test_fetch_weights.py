@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from donorkit.paths import REPO_ROOT
 from tests.testbed.hub_standin import generate_checkpoint, load_repo, make_servers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FETCH = REPO_ROOT / "files/fetch_weights.py"
 REPO = "standin/tiny-checkpoint"
 SHARD = "model-00001-of-00002.safetensors"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from donorkit.fleet import DONORS_FILE, FleetError, load_fleet
+from donorkit.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 GOOD = textwrap.dedent("""\
     donors:
       box-a:

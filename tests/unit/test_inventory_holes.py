@@ -16,9 +16,9 @@ import yaml
 
 from donorkit import accept, pki, rollout
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.paths import REPO_ROOT
 from donorkit.render import render_edge_caddyfile
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}
 EDGE = {"ssh_host": "192.0.2.2", "ssh_user": "admin", "hostnames": "all", "rate_limit": None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from donorkit.rollout import Box, plan_batches, resume_command
+from tests.unit.make import make
 
 MODELS = {"qwen": {"checkpoint": "org/qwen"}, "hermes": {"checkpoint": "org/hermes"}}
 
@@ -123,7 +124,7 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
 
 
 def test_make_rollout_plan(tmp_path):
-    result = _subprocess.run(["make", "-s", "rollout", "PLAN=1", "BATCH=2"],
+    result = _subprocess.run(make("rollout", "PLAN=1", "BATCH=2"),
                              cwd=rollout.REPO_ROOT, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "DONORS_FILE": str(donors_file(tmp_path))})
     assert result.returncode == 0, result.stderr

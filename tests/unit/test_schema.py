@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from donorkit.fleet import FleetError, load_fleet
+from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import render_host, render_unit
 from donorkit.schema import owned_option
+from tests.unit.make import make
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}
@@ -249,7 +250,7 @@ def test_one_line_exit_2_through_make_render_and_pyinfra(tmp_path: Path, entry: 
     path = tmp_path / "donors.yml"
     path.write_text(BAD)
     env = dict(os.environ, DONORS_FILE=str(path))
-    command = (["make", "-s", "render", "HOST=box", f"OUT={tmp_path / 'out'}"] if entry == "render"
+    command = (make("render", "HOST=box", f"OUT={tmp_path / 'out'}") if entry == "render"
                else [str(BIN / "pyinfra"), "inventory/gpus.py", "debug-inventory"])
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=120)

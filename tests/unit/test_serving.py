@@ -16,10 +16,10 @@ import pytest
 from pyinfra.api import FunctionCommand
 from pyinfra.context import ctx_host
 
+from donorkit.paths import REPO_ROOT
 from donorkit.serving import ModelsListed, WeightsComplete, model_weights, ready_gate
 from pyinfra_snapshot.testing import CaseHost, refusal_message
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REV = "4ff9003a33658da90d0bc7977d0251d39075a663"
 WEIGHTS = dict(model="qwen", repo="turboderp/Qwen3.8-27B-exl3", revision=REV,
                python="/opt/uncloseai/vllm-venv/bin/python",
