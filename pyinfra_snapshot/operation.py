@@ -14,9 +14,12 @@ lambda gets the operation's arguments (`op.packages`) and returns the fact and i
 once, when the deploy calls the operation, and read by pyinfra_snapshot.snapshot: from the
 host's snapshot while the run has changed nothing there, a fresh read after. The body reads no
 fact itself. A body that only checks (no command ever) is a plain function: no `yield` needed.
-`fail(message)` refuses the host: the operation's command becomes one that prints the message
-and fails, so pyinfra stops this host and carries on with the others (an exception inside an
-operation would abort the whole run, every host).
+`fail(message)` refuses the host. When the run executes, the operation's command becomes one
+that prints the message and fails, so pyinfra stops this host and carries on with the others (an
+exception inside an operation would abort the whole run, every host). In change detection (the
+plain command's preview, `--dry`) a refusal is not a change: it is said as one line, `refused:
+HOST: reason`, and that host proposes nothing after it (it stops there when the run executes).
+A refusal after a command the body already yielded shows as that command's change.
 
 The result is a pyinfra operation: global arguments (`name=`, `_if=`, `_sudo=`...) work as on
 pyinfra's own, in change detection, `--dry`, `--diff` and the run alike.
@@ -31,7 +34,8 @@ from inspect import signature
 from types import SimpleNamespace
 from typing import Any, NoReturn
 
-from pyinfra import host
+import click
+from pyinfra import host, logger, state
 from pyinfra.api import operation as pyinfra_operation
 
 from pyinfra_snapshot import snapshot
@@ -50,6 +54,21 @@ def fail(message: str) -> NoReturn:
 
 def refusal_command(refusal: Refusal) -> str:
     return f"echo {shlex.quote(f'refused: {refusal}')} >&2; exit 1"
+
+
+# Hosts refused during this process's change detection: they propose nothing after it.
+_refused_in_preview: set[str] = set()
+
+
+def _previewing() -> bool:
+    """pyinfra is detecting changes (the plain command's first pass, `--dry`), not executing."""
+    return state.should_check_for_changes() and not state.is_executing
+
+
+def _say_refused(refusal: Refusal) -> None:
+    _refused_in_preview.add(host.name)
+    logger.error(click.style(f"refused: {refusal}", "red")
+                 + " (preview: this host stops at this step when the run executes)")
 
 
 def operation(**facts: FactLambda) -> Callable[[Callable], Any]:
@@ -71,12 +90,18 @@ def operation(**facts: FactLambda) -> Callable[[Callable], Any]:
 
         def commands(*args: Any, **kwargs: Any) -> Iterator:
             """What pyinfra runs in change detection and again in the run."""
+            previewing = _previewing()
+            if previewing and host.name in _refused_in_preview:
+                return
             values = {name: None if request is None else snapshot.value(request)
                       for name, request in requests(args, kwargs).items()}
             try:
                 yield from _as_commands(body(*args, **kwargs, **values))
             except Refusal as refusal:
-                yield refusal_command(refusal)
+                if previewing:
+                    _say_refused(refusal)
+                else:
+                    yield refusal_command(refusal)
 
         functools.update_wrapper(commands, body)
         commands.__signature__ = op_signature  # pyinfra checks the call's arguments against it

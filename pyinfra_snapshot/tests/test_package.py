@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,53 @@ def test_the_operation_takes_only_its_own_arguments() -> None:
     import inspect
 
     assert list(inspect.signature(example).parameters) == ["path", "check_content"]
+
+
+REFUSING_DEPLOY = '''
+from pyinfra_snapshot.operation import fail, operation
+
+
+@operation()
+def check_card(ok: bool):
+    if not ok:
+        fail("the card is not the profile's")
+
+
+@operation()
+def write(path: str):
+    yield f"touch {path}"
+
+
+check_card(name="Check the card", ok=False)
+write(name="Write the marker", path=MARKER)
+'''
+
+
+def _pyinfra(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(REFUSING_DEPLOY.replace("MARKER", repr(str(tmp_path / "marker"))))
+    pyinfra = str(Path(sys.executable).parent / "pyinfra")
+    return subprocess.run([pyinfra, "@local", str(deploy), *args], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120, input="n\n")
+
+
+def test_a_refusal_is_a_refusal_in_the_preview_not_a_change(tmp_path) -> None:
+    """pyinfra's own CLI, `--dry`: the host and the reason on one line; the refusing step and
+    every step after it on that host proposed as no change."""
+    result = _pyinfra(tmp_path, "--dry")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "refused: @local: the card is not the profile's (preview: this host stops" in out
+    table = out.split("--> Detected changes:", 1)[1]
+    for step in ("Check the card", "Write the marker"):
+        row = next(line for line in table.splitlines() if step in line)
+        assert "@local" not in row, row  # neither "Change" nor "Conditional Change"
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_refusal_stops_its_host_when_the_run_executes(tmp_path) -> None:
+    result = _pyinfra(tmp_path, "-y")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "refused: @local: the card is not the profile's" in out
+    assert not (tmp_path / "marker").exists()  # the step after the refusal did not run

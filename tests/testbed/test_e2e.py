@@ -183,6 +183,14 @@ def test_old_driver_stops_at_the_preflight_before_installing(hosts: dict[str, Ho
                "minimum for CUDA 13.3 (card profile 'rtx4090')")
     assert refusal in output, output[-4000:]
     assert "Starting operation: tasks/cuda.py" not in output[output.index(refusal):]
+    # The preview (`--dry`, as the README gives it): the refusal as a refusal, not a "Change",
+    # and no change proposed after it on that host (pyinfra's own server.shell for the plugin's
+    # reinstall stays under "Conditional Change": its condition is an earlier step's change).
+    rc, preview = pyinfra_as_a_user_runs_it("inventory/testbed.py", "deploy.py", "--limit", OLD,
+                                            "--dry")
+    assert rc == 0, preview[-6000:]
+    assert f"{refusal} (preview: this host stops at this step" in preview, preview[-6000:]
+    assert preview_rows(preview, OLD, "change") == [], preview[-6000:]
     nothing = ssh(hosts[OLD], "test ! -e /usr/share/keyrings/cuda-archive-keyring.gpg && "
                               "test ! -e /etc/apt/sources.list.d/cuda-debian12-x86_64.list && "
                               "! dpkg -s ninja-build >/dev/null 2>&1", check=False)
