@@ -438,6 +438,9 @@ def test_verification_suite(hosts: dict[str, Host], tmp_path: Path) -> None:
     assert {k for k in good if k.startswith("test_donor_refuses_a_client_without")} == {
         f"test_donor_refuses_a_client_without_certificate[{d}:{HOSTNAME}]"
         for d in (GOOD, SECOND)}
+    # A model that is not serving fails its serving checks (with the reason), never skips them.
+    serving = {k: v for k, v in bad.items() if k.startswith("test_models_through_caddy")}
+    assert serving and set(serving.values()) == {"failed"}, serving
     nvcc_failures = [k for k, v in bad.items() if v == "failed" and "nvcc" in k]
     assert nvcc_failures, f"tb-3090's missing nvcc was not reported as a failure: {bad}"
     assert outcomes[f"test_driver_is_new_enough_for_the_card_cuda[{OLD}]"] == "failed"
