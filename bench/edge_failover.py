@@ -175,7 +175,7 @@ class Bench:
 
 
 class LocalRemote:
-    """donorkit.rollout.Remote's commands, run on this machine (the bench's hosts are local)."""
+    """donorkit.transport.SshRunner's commands, run here (the bench's hosts are local)."""
 
     def run(self, command: str) -> tuple[int, str]:
         done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)

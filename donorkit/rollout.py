@@ -52,7 +52,6 @@ import runpy
 import secrets
 import shlex
 import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -60,8 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from donorkit import schema
-from donorkit.paths import REPO_ROOT, pki_dir
+from donorkit.paths import REPO_ROOT
 from donorkit.render import drain_flag
+from donorkit.transport import SshRunner, ca_file, edge_client_pair, https_get, wait_until
 
 DEFAULT_INVENTORY = "inventory/gpus.py"
 
@@ -157,37 +157,6 @@ def upstream_requests(upstreams_json: str, address: str) -> int | None:
     return None
 
 
-class Remote:
-    """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
-    unknown or changed host key is refused; sudo for a user other than root)."""
-
-    def __init__(self, data: dict) -> None:
-        import paramiko
-
-        self._client = paramiko.SSHClient()
-        known = data.get("ssh_known_hosts_file")
-        if known:
-            self._client.load_host_keys(known)
-        else:
-            self._client.load_system_host_keys()
-        self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
-                             username=data["ssh_user"], key_filename=data.get("ssh_key"),
-                             timeout=30, banner_timeout=30, auth_timeout=30)
-        self._sudo = bool(data.get("_sudo"))
-
-    def run(self, command: str) -> tuple[int, str]:
-        if self._sudo:
-            command = f"sudo -n sh -c {shlex.quote(command)}"
-        _, stdout, stderr = self._client.exec_command(command, timeout=60)
-        out, err = stdout.read().decode(), stderr.read().decode()
-        rc = stdout.channel.recv_exit_status()
-        return rc, out if rc == 0 else (out + err).strip()
-
-    def close(self) -> None:
-        self._client.close()
-
-
 def plan_batches(boxes: list[Box], size: int) -> list[list[Box]]:
     """Inventory order; each box in the earliest batch that has room and shares no hostname."""
     batches: list[list[Box]] = []
@@ -261,47 +230,19 @@ class RolloutLocked(Exception):
     """Another rollout holds a box's lock; the message is the one line to print."""
 
 
-class PinnedHTTPS(http.client.HTTPSConnection):
-    """HTTPS to the box's address, with the public hostname as SNI and Host (as the edge does)."""
-
-    def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
-                 timeout: float):
-        super().__init__(hostname, port, context=context, timeout=timeout)
-        self._address = address
-
-    def connect(self) -> None:
-        raw = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
-
-
-def client_pair(box: Box, edge: str) -> tuple[str, str]:
-    """The edge's client certificate and key on this (the operator's) machine: what the edge
-    itself presents to the donor (tasks/edge_caddy.py uploads the same pair)."""
-    edges_dir = pki_dir(box.data) / "edges"
-    return str(edges_dir / f"{edge}.crt"), str(edges_dir / f"{edge}.key")
-
-
-def gpu_side_check(box: Box, hostname: str, checkpoint: str, client: tuple[str, str],
-                   timeout: float = 5) -> str | None:
+def gpu_side_check(box: Box, hostname: str, checkpoint: str,
+                   client: tuple[Path | str, Path | str], timeout: float = 5) -> str | None:
     """None when the box's Caddy lists `checkpoint` on /v1/models for `hostname`, asked as an
     edge asks it (its client certificate `client`); else why."""
-    ca = pki_dir(box.data) / "ca.crt"
-    context = ssl.create_default_context(cafile=str(ca))
-    context.load_cert_chain(*client)
-    conn = PinnedHTTPS(box.data["ssh_hostname"], int(box.data["caddy_https_port"]), hostname,
-                        context, timeout)
     try:
-        conn.request("GET", "/v1/models")
-        response = conn.getresponse()
-        body = response.read()
-        if response.status != 200:
-            return f"{hostname}: HTTP {response.status}"
+        status, body = https_get(box.data["ssh_hostname"], int(box.data["caddy_https_port"]),
+                                 hostname, "/v1/models", ca_file(box.data), client, timeout)
+        if status != 200:
+            return f"{hostname}: HTTP {status}"
         ids = [m.get("id") for m in json.loads(body).get("data", [])]
         return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
     except (OSError, ValueError, http.client.HTTPException) as e:
         return f"{hostname}: {type(e).__name__}: {e}"
-    finally:
-        conn.close()
 
 
 class Fleet:
@@ -309,11 +250,11 @@ class Fleet:
 
     def __init__(self, boxes: list[Box], edges: list[Edge]) -> None:
         self.boxes, self.edges = boxes, edges
-        self._remotes: dict[str, Remote] = {}
+        self._remotes: dict[str, SshRunner] = {}
 
-    def remote(self, host: Box | Edge) -> Remote:
+    def remote(self, host: Box | Edge) -> SshRunner:
         if host.name not in self._remotes:
-            self._remotes[host.name] = Remote(host.data)
+            self._remotes[host.name] = SshRunner(host.data)
         return self._remotes[host.name]
 
     def close(self) -> None:
@@ -375,7 +316,8 @@ class Fleet:
             edges = [e for e in self.edges
                      if any(s["hostname"] == hostname for s in e.data["sites"])]
             if edges:
-                why = gpu_side_check(box, hostname, checkpoint, client_pair(box, edges[0].name))
+                why = gpu_side_check(box, hostname, checkpoint,
+                                     edge_client_pair(box.data, edges[0].name))
             else:
                 why = self.loopback_check(box, hostname, checkpoint)
             if why:
@@ -400,12 +342,7 @@ class Fleet:
         return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
 
     def wait_in_service(self, box: Box, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            why = self.in_service(box)
-            if why is None or time.monotonic() > deadline:
-                return why
-            time.sleep(1)
+        return wait_until(lambda: self.in_service(box), timeout, interval=1)
 
     def take_out(self, box: Box, timeout: float) -> tuple[dict[str, float], str | None]:
         """Out of every edge pool it is in, with nothing in flight to it: ({edge: its clock

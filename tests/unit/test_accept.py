@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from donorkit import accept as a
+from donorkit import transport
 from donorkit.fleet import load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki
@@ -317,7 +318,6 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21, hole 7: `pki_dir: ~/...` meant the home in the deploy and a folder under the
     repository in rollout and accept. One resolver (donorkit.paths.pki_dir) for all."""
-    from donorkit import rollout
     from donorkit.paths import pki_dir
     from donorkit.render import pki_for
 
@@ -331,9 +331,9 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
     assert target.ca_file == str(where / "ca.crt")
     assert target.client == (str(where / "edges/operator-accept.crt"),
                              str(where / "edges/operator-accept.key"))
-    box = rollout.Box("tb-4090", data)
-    assert rollout.client_pair(box, "tb-edge") == (str(where / "edges/tb-edge.crt"),
-                                                   str(where / "edges/tb-edge.key"))
+    assert transport.edge_client_pair(data, "tb-edge") == (where / "edges/tb-edge.crt",
+                                                           where / "edges/tb-edge.key")
+    assert transport.ca_file(data) == where / "ca.crt"
     assert not (REPO_ROOT / "~").exists()
 
 

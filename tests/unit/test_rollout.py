@@ -114,7 +114,7 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
     def no_connection(*args, **kwargs):
         raise AssertionError("--plan opened a connection")
 
-    monkeypatch.setattr(rollout, "Remote", no_connection)
+    monkeypatch.setattr(rollout, "SshRunner", no_connection)
     monkeypatch.setattr(rollout.socket, "create_connection", no_connection)
     assert rollout.main(["--plan", "--batch", "2"]) == 0
     out = capsys.readouterr().out
