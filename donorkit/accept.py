@@ -59,6 +59,7 @@ from donorkit.schema import (
     CardAcceptance,
     Workload,
 )
+from donorkit.transport import client_context
 
 RECORD_VERSION = 1
 
@@ -283,9 +284,7 @@ def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
                            "private CA; or give --via for an edge)")
     verify: ssl.SSLContext | bool = True
     if url.scheme == "https":
-        verify = ssl.create_default_context(cafile=target.ca_file)
-        if target.client:
-            verify.load_cert_chain(*target.client)
+        verify = client_context(target.ca_file, target.client)
     sni = target.hostname if url.host != target.hostname else None
 
     class PublicName(httpx2.AsyncHTTPTransport):
