@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import accept, pki, rollout
+from donorkit import pki, rollout
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.render import render_edge_caddyfile
@@ -147,7 +147,7 @@ def test_other_spellings_of_an_address_are_refused(tmp_path: Path, address: str)
     refused(write(tmp_path, {"box": dict(BOX, ssh_host=address)}), "donor 'box'", "ssh_host")
 
 
-@pytest.mark.parametrize("name", [accept.OPERATOR_CLIENT, "operator-x",
+@pytest.mark.parametrize("name", [pki.OPERATOR_CLIENT, "operator-x",
                                   *getattr(pki, "OPERATOR_CLIENT_NAMES", ())])
 def test_an_edge_is_not_named_like_the_operators_certificate(tmp_path: Path, name: str) -> None:
     path = write(tmp_path, edges={name: EDGE})

@@ -53,6 +53,7 @@ import subprocess as _subprocess  # noqa: E402
 import yaml  # noqa: E402
 
 from donorkit import rollout  # noqa: E402
+from donorkit.paths import REPO_ROOT  # noqa: E402
 
 
 def edge(name: str, *pools: tuple[str, str]) -> rollout.Edge:
@@ -115,7 +116,7 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
         raise AssertionError("--plan opened a connection")
 
     monkeypatch.setattr(rollout, "SshRunner", no_connection)
-    monkeypatch.setattr(rollout.socket, "create_connection", no_connection)
+    monkeypatch.setattr(socket, "create_connection", no_connection)
     assert rollout.main(["--plan", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "rollout: plan only (inventory/gpus.py): nothing is touched" in out
@@ -125,7 +126,7 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
 
 def test_make_rollout_plan(tmp_path):
     result = _subprocess.run(make("rollout", "PLAN=1", "BATCH=2"),
-                             cwd=rollout.REPO_ROOT, capture_output=True, text=True, timeout=120,
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "DONORS_FILE": str(donors_file(tmp_path))})
     assert result.returncode == 0, result.stderr
     assert "batch 2/2: b\n  b: out of the pools of e1" in result.stdout, result.stdout
