@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from donorkit import pki, schema
+from donorkit import pki, schema, values
 from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.pki import OPERATOR_CLIENT
 
@@ -117,7 +117,7 @@ def _problem(error: dict, model: type[BaseModel]) -> str:
     if kind == "extra_forbidden":
         if "unit_service" in error["loc"]:
             return ("not a setting unit_service may hold (its allow-list: UnitService in "
-                    "donorkit/schema.py)")
+                    "donorkit/unit_settings.py)")
         return "unknown field"
     if kind == "value_error":
         return error["msg"].removeprefix("Value error, ")
@@ -146,8 +146,8 @@ def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
 
 
 def _check_strings(doc: Any, path: Path) -> None:
-    """schema.check_strings on a whole file: one line naming the file, the host and the field."""
-    found = schema.check_strings(doc)
+    """values.check_strings on a whole file: one line naming the file, the host and the field."""
+    found = values.check_strings(doc)
     if not found:
         return
     where, problem = found
@@ -346,7 +346,7 @@ def load_inventory(donors_path: Path | str | None = None,
                   else (str(defaults_path), ""))
         raise FleetError(f"{origin[0]}: field '{origin[1]}hf_token_file': {problem}")
     fleet: dict[str, dict] = {}
-    # One box, one entry: schema.box_identity's spelling, whatever the SSH port.
+    # One box, one entry: values.box_identity's spelling, whatever the SSH port.
     seen_addresses: dict[str, str] = {}
     for name, entry in inventory.donors.items():
         where = f"{donors_path}: donor '{label(name)}'"
@@ -359,7 +359,7 @@ def load_inventory(donors_path: Path | str | None = None,
             raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
         settings = schema.Defaults.model_validate(merged)
         data = _host_data(name, donor, merged, settings, where)
-        address = schema.box_identity(data["ssh_hostname"])
+        address = values.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
@@ -380,7 +380,7 @@ def load_inventory(donors_path: Path | str | None = None,
         edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         merged = _merged(file_wide, edge.overrides, where, "overrides")
         data = _edge_data(name, edge, merged, fleet, pools, where)
-        address = schema.box_identity(data["ssh_hostname"])
+        address = values.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")

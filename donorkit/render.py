@@ -14,7 +14,7 @@ import jinja2
 
 from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.schema import caddy_duration
+from donorkit.values import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
@@ -49,7 +49,7 @@ def systemd_quote(text: str) -> str:
     """One word of a unit setting, exactly as given: inside double quotes systemd undoes C
     escapes, so `\\` and `"` are escaped; `%` is doubled (specifiers, expanded on the whole line
     before any quoting is read). Newlines and other control characters are refused by the schema
-    (donorkit/schema.py) and here."""
+    (donorkit/values.py) and here."""
     if any(unicodedata.category(c) == "Cc" for c in text):
         raise ValueError(f"control character in {text!r}: a unit word cannot carry it")
     if _PLAIN_WORD.fullmatch(text):

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from donorkit import schema
+from donorkit import values
 from donorkit.paths import REPO_ROOT
 
 
@@ -51,7 +51,7 @@ class Edge:
 
 
 # A Caddy duration of the inventory (`2s`, `250ms`, `1m30s`) in seconds: the schema's own parser.
-seconds = schema.duration_seconds
+seconds = values.duration_seconds
 
 
 def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:

@@ -10,7 +10,7 @@
 - `wait_until`: poll a check until it passes or a deadline passes, saying why it did not.
 
 Paths on this machine (the CA, the client pairs) come from donorkit.paths' one resolver; Caddy's
-durations from donorkit.schema.duration_ns.
+durations from donorkit.values.duration_ns.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from donorkit.fleet import FleetError, load_fleet
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import render_host, render_unit
-from donorkit.schema import owned_option
+from donorkit.values import owned_option
 from tests.unit.make import make
 
 BIN = Path(sys.executable).parent
