@@ -18,6 +18,10 @@ from donorkit.values import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
+# The stamp of the plugin's shipped source tree (its digest; in the units' restart digest) and
+# the marker of a venv install under way: names on the boxes, kept as the first deploys made them.
+PLUGIN_TREE_STAMP = ".uncloseai-tree"
+VENV_BUSY_MARKER = ".uncloseai-installing"
 CADDYFILE = "/etc/caddy/Caddyfile"
 CADDY_DROP_IN = f"{UNIT_DIR}/caddy.service.d/uncloseai.conf"
 # {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).

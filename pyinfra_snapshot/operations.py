@@ -31,16 +31,16 @@ from pyinfra_snapshot.facts import (
 from pyinfra_snapshot.operation import fail, operation
 from pyinfra_snapshot.snapshot import need
 
-# `uncloseai_apt_get WAIT ARGS...` (apt_get.sh): apt-get once apt's and dpkg's locks are free
+# `apt_get_when_free WAIT ARGS...` (apt_get.sh): apt-get once apt's and dpkg's locks are free
 # (waiting up to WAIT s, said on stderr), after finishing an interrupted dpkg. Prepended to each
 # apt command.
 APT_FUNCTIONS = (Path(__file__).resolve().parent / "apt_get.sh").read_text()
 
 
 def _apt_get(lock_wait: int, *commands: str) -> str:
-    """Shell running `apt-get <command>` for each, in order, through uncloseai_apt_get (the
+    """Shell running `apt-get <command>` for each, in order, through apt_get_when_free (the
     caller puts APT_FUNCTIONS first)."""
-    return " && ".join(f"uncloseai_apt_get {int(lock_wait)} {c}" for c in commands)
+    return " && ".join(f"apt_get_when_free {int(lock_wait)} {c}" for c in commands)
 
 
 q = shlex.quote
@@ -117,11 +117,11 @@ def config_file(content: str, dest: str, current: dict, current_text: list[str] 
     # that reads the suffix (systemd-analyze verify: .service) sees it; the final mv is a rename
     # within one file system. Leftovers of an interrupted run are removed first.
     parent, name = str(Path(dest).parent), Path(dest).name
-    stage_dir = f"{parent}/.uncloseai-stage-{want[:12]}"
+    stage_dir = f"{parent}/.pyinfra-stage-{want[:12]}"
     staged = f"{stage_dir}/{name}"
     q_dir, q_staged, q_dest, q_parent = q(stage_dir), q(staged), q(dest), q(parent)
     login = q(host.data.get("ssh_user") or "root")
-    yield (f"mkdir -p {q_parent} && rm -rf {q_parent}/.uncloseai-stage-* "
+    yield (f"mkdir -p {q_parent} && rm -rf {q_parent}/.pyinfra-stage-* "
            f"&& mkdir -m 700 {q_dir} && chown {login} {q_dir}")
     yield FileUploadCommand(io.BytesIO(content.encode()), staged,
                             remote_temp_filename=f"{stage_dir}/.upload")
@@ -214,18 +214,13 @@ def system_user(user: str, home: str, shell: str, account: dict | None):
         host.noop(f"user {user} is in place")
 
 
-VENV_BUSY = ".uncloseai-installing"
-
-
-def _venv_busy(venv_dir: str) -> str:
-    return f"{venv_dir}/{VENV_BUSY}"
-
-
 @operation(installed=lambda op: need(VenvDistributions, venv_dir=op.venv_dir),
-           busy=lambda op: need(PathStates, paths=[_venv_busy(op.venv_dir)]) if op.uv else None)
+           busy=lambda op: need(PathStates, paths=[f"{op.venv_dir}/{op.busy_marker}"])
+           if op.uv else None)
 def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
                   busy: dict | None, install_args: list[str] | None = None,
-                  install: list[str] | None = None, uv: str | None = None):
+                  install: list[str] | None = None, uv: str | None = None,
+                  busy_marker: str = ".installing"):
     """Each requirement (`name==version` and the like) satisfied in the venv (the distributions
     its site-packages holds); the installer installs them all together when any is not, so its
     resolver sees the whole set: `install` when given (the same requirements, some as direct
@@ -238,7 +233,7 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
     uv installs a set's distributions in parallel, in no order: killed midway, it can leave the
     requirements' distributions in place without all of their own dependencies' files (seen on
     the testbed: torch present, libcusparseLt.so.0 missing). So with uv a marker
-    (`<venv>/.uncloseai-installing`) is made before installing and removed once uv succeeded; a
+    (`<venv>/<busy_marker>`) is made before installing and removed once uv succeeded; a
     venv that has it is not converged, and the next install is `--reinstall` (every
     distribution of the set laid out again, from uv's cache). The marker is read through the
     snapshot: no extra remote command."""
@@ -259,7 +254,7 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
         return None
 
     unmet = [m for m in (met(parsed(spec)) for spec in packages) if m]
-    args, marker = install_args or [], _venv_busy(venv_dir)
+    args, marker = install_args or [], f"{venv_dir}/{busy_marker}"
     interrupted = uv is not None and marker in (busy or {})
     if not unmet and not interrupted:
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
@@ -317,23 +312,20 @@ def tree_archive(local_dir: Path) -> tuple[bytes, str]:
     return buffer.getvalue(), digest.hexdigest()
 
 
-TREE_STAMP = ".uncloseai-tree"
-
-
-@operation(stamp=lambda op: need(PathStates, paths=[f"{op.dest}/{TREE_STAMP}"],
-                                 digest=[f"{op.dest}/{TREE_STAMP}"]))
-def source_tree(local_dir: str, dest: str, stamp: dict):
+@operation(stamp=lambda op: need(PathStates, paths=[f"{op.dest}/{op.stamp_name}"],
+                                 digest=[f"{op.dest}/{op.stamp_name}"]))
+def source_tree(local_dir: str, dest: str, stamp: dict, stamp_name: str = ".tree-stamp"):
     """Ship a directory from the operator's machine; swapped in whole, stamped with its digest
-    (the stamp's path: `dest`/.uncloseai-tree)."""
+    (the stamp's path: `dest`/`stamp_name`)."""
     archive, digest = tree_archive(Path(local_dir))
-    if stamp.get(f"{dest}/{TREE_STAMP}", {}).get("sha256") == hashlib.sha256(
+    if stamp.get(f"{dest}/{stamp_name}", {}).get("sha256") == hashlib.sha256(
             digest.encode()).hexdigest():
         host.noop(f"{dest} matches {local_dir}")
         return
     tmp, new, old = q(f"{dest}.upload.tar.gz"), q(f"{dest}.new"), q(f"{dest}.old")
     yield FileUploadCommand(io.BytesIO(archive), f"{dest}.upload.tar.gz")
     yield (f"rm -rf {new} && mkdir -p {new} && tar -xzf {tmp} -C {new} && "
-           f"printf %s {q(digest)} > {q(f'{dest}.new/{TREE_STAMP}')} && rm -rf {old} && "
+           f"printf %s {q(digest)} > {q(f'{dest}.new/{stamp_name}')} && rm -rf {old} && "
            f"{{ [ ! -e {q(dest)} ] || mv {q(dest)} {old}; }} && mv {new} {q(dest)} && "
            f"rm -rf {old} {tmp}")
 
@@ -399,7 +391,7 @@ def deb_from_url(url: str, provides: str, found: dict, lock_wait: int = 600):
     if found.get(provides):
         host.noop(f"{provides} present")
         return
-    tmp = q(f"/tmp/uncloseai-{hashlib.sha256(url.encode()).hexdigest()[:12]}.deb")
+    tmp = q(f"/tmp/pyinfra-deb-{hashlib.sha256(url.encode()).hexdigest()[:12]}.deb")
     yield (f"{APT_FUNCTIONS}curl -fsSL --retry 3 -o {tmp} {q(url)} && "
            f"{_apt_get(lock_wait, f'install -y -q {tmp}')}; rc=$?; rm -f {tmp}; exit $rc")
 

@@ -5,6 +5,7 @@ from pyinfra import host
 from pyinfra.operations import server
 
 from donorkit.fleet import plugin_local_path
+from donorkit.render import PLUGIN_TREE_STAMP
 from pyinfra_snapshot.operations import (
     editable_install,
     editable_install_command,
@@ -18,7 +19,8 @@ venv = host.data.venv_dir
 
 if "path" in plugin:
     fetched = source_tree(name="Ship the vllm-exl3 plugin source",
-                          local_dir=str(plugin_local_path(plugin)), dest=dest)
+                          local_dir=str(plugin_local_path(plugin)), dest=dest,
+                          stamp_name=PLUGIN_TREE_STAMP)
 else:
     fetched = git_checkout(name=f"Check out vllm-exl3 {plugin['ref']}",
                            url=plugin["git_url"], ref=plugin["ref"], dest=dest)

@@ -8,7 +8,7 @@ loopback port lists the checkpoint, or fails the box with the unit's journal."""
 from pyinfra import host
 
 from donorkit.paths import repo_path
-from donorkit.render import UNIT_DIR, VERIFY_UNIT, render_unit
+from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
 from donorkit.serving import ready_gate
 from pyinfra_snapshot.operations import config_file, retired_unit, service_running_its_files
 
@@ -17,7 +17,7 @@ site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
 shared_dependencies = [f"{site_packages}/*.dist-info"]
 if host.data.card["engine"] == "cuda":  # a cpu engine has no plugin and no exllamav3
     shared_dependencies += [
-        f"{host.data.vllm_exl3_plugin_dir}/.uncloseai-tree",
+        f"{host.data.vllm_exl3_plugin_dir}/{PLUGIN_TREE_STAMP}",
         f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
         f"{install_root}/state/exllamav3.stack",
     ]

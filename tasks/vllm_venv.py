@@ -5,6 +5,7 @@ the toolkit's nvcc (PyTorch refuses to build otherwise)."""
 from pyinfra import host
 
 from donorkit.operations import torch_matches_nvcc
+from donorkit.render import VENV_BUSY_MARKER
 from pyinfra_snapshot.operations import python_venv, venv_packages
 
 venv = host.data.venv_dir
@@ -17,6 +18,7 @@ venv_packages(
     install=host.data.venv_install_specs,
     install_args=host.data.venv_index_args,
     uv=f"uv=={host.data.uv_version}",
+    busy_marker=VENV_BUSY_MARKER,
 )
 if host.data.card["engine"] == "cuda":
     torch_matches_nvcc(

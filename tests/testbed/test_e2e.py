@@ -164,8 +164,8 @@ def test_interrupted_first_run_then_full_run_converges(hosts: dict[str, Host]) -
     assert failed_ops(report, GOOD) == [], log[-4000:]
     assert sorted(report["results"]["failed_hosts"]) == sorted([BAD, OLD]), log[-4000:]
     assert rc != 0  # two hosts failed
-    busy = re.search(r"uncloseai: apt is busy \((/var/lib/\S+) held by pid \d+", log)
-    free = re.search(r"uncloseai: apt's locks are free after (\d+) s", log)
+    busy = re.search(r"apt_get_when_free: apt is busy \((/var/lib/\S+) held by pid \d+", log)
+    free = re.search(r"apt_get_when_free: apt's locks are free after (\d+) s", log)
     assert busy and free, "tb-3090's apt step did not say it waited for the locks"
     TIMES["apt lock wait seen"] = float(free[1])
     print(f"\ntb-3090 waited {free[1]} s for apt's locks ({busy[1]} was held)")
@@ -362,8 +362,8 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     rc, report, log = deploy("--limit", SECOND, "-vvv")
     TIMES["second box (cache hit)"] = report["elapsed"]
     assert rc == 0, log[-4000:]
-    assert "uncloseai: dpkg was interrupted: running dpkg --configure -a first" in log
-    assert "uncloseai: reinstalling what dpkg left half-installed:" in log
+    assert "apt_get_when_free: dpkg was interrupted: running dpkg --configure -a first" in log
+    assert "apt_get_when_free: reinstalling what dpkg left half-installed:" in log
     assert ssh(second, "dpkg --audit").stdout.strip() == ""
     assert "building v1.5.1" not in log and "exllamav3: building" not in log, log[-4000:]
     assert ssh(second, "test -e /opt/uncloseai/src/exllamav3", check=False).returncode != 0

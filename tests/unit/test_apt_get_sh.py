@@ -26,10 +26,10 @@ def hold(lock: Path, seconds: float) -> subprocess.Popen:
 
 
 def apt_get(lock: Path, wait: int, *args: str) -> subprocess.CompletedProcess:
-    command = f". {SCRIPT}; uncloseai_apt_get {wait} {' '.join(args)}"
+    command = f". {SCRIPT}; apt_get_when_free {wait} {' '.join(args)}"
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-                               "UNCLOSEAI_APT_LOCKS": f"{lock} {lock}.absent"})
+                               "APT_WAIT_LOCKS": f"{lock} {lock}.absent"})
 
 
 def test_waits_for_a_held_lock_then_runs_apt_get(tmp_path: Path) -> None:
