@@ -38,7 +38,7 @@ lint: venv-test
 
 test: lint
 	$(BIN)/python -m tests.unit.host_tools
-	$(BIN)/pytest -q tests/unit pyinfra_snapshot/tests
+	$(BIN)/pytest -q tests/unit pyinfra_declared/tests
 
 testbed: venv-test
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed

@@ -5,7 +5,7 @@ operations the way stock pyinfra would read their facts."""
 
 
 from donorkit.inventory import fleet_or_exit, pyinfra_groups
-from pyinfra_snapshot import snapshot
+from pyinfra_declared import snapshot
 
 snapshot.disable()
 globals().update(pyinfra_groups(fleet_or_exit(), connect_kwargs={}))

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from donorkit.render import CADDY_DROP_IN, CADDYFILE, RenderedFile
-from pyinfra_snapshot.operations import config_file, directories, owned_file, reloaded_service
+from pyinfra_declared.files import config_file, directories, owned_file
+from pyinfra_declared.services import reloaded_service
 
 
 def caddy_config(files: Iterable[RenderedFile], install_root: str, tls_dir: str,

@@ -12,8 +12,8 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, StringCommand
 
-from pyinfra_snapshot.operation import fail, operation
-from pyinfra_snapshot.snapshot import need
+from pyinfra_declared.decorator import fail, operation
+from pyinfra_declared.snapshot import need
 
 q = shlex.quote
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

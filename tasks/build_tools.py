@@ -2,7 +2,7 @@
 
 from pyinfra import host
 
-from pyinfra_snapshot.operations import apt_install
+from pyinfra_declared.apt import apt_install
 
 apt_install(name="Install build tools", packages=host.data.build_packages,
             lock_wait=host.data.apt_lock_wait)

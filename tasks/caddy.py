@@ -5,7 +5,8 @@ from pyinfra import host
 
 from donorkit.caddy_config import caddy_config
 from donorkit.render import CADDY_DROP_IN, drain_flag, render_host
-from pyinfra_snapshot.operations import absent_path, apt_install
+from pyinfra_declared.apt import apt_install
+from pyinfra_declared.files import absent_path
 
 apt_install(name="Install Caddy", packages=["caddy"], lock_wait=host.data.apt_lock_wait)
 

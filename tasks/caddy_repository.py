@@ -4,7 +4,8 @@
 from pyinfra import host
 from pyinfra.operations import files
 
-from pyinfra_snapshot.operations import apt_install, config_file
+from pyinfra_declared.apt import apt_install
+from pyinfra_declared.files import config_file
 
 if host.data.caddy_source == "upstream":
     apt_install(name="Install what fetching Caddy's key needs", packages=["curl", "gnupg"],

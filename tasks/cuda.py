@@ -3,9 +3,10 @@ side by side under /usr/local/cuda-X.Y. Nothing here touches the floating /usr/l
 
 from pyinfra import host
 
-from donorkit.facts import host_profile
-from donorkit.operations import toolkit_compiler
-from pyinfra_snapshot.operations import apt_install, config_file, deb_from_url
+from donorkit.box_facts import host_profile
+from donorkit.box_operations import toolkit_compiler
+from pyinfra_declared.apt import apt_install, deb_from_url
+from pyinfra_declared.files import config_file
 
 distro = host_profile()["distro"]
 repo_url = host.data.cuda_repo_url.format(distro=distro).rstrip("/")

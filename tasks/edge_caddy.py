@@ -6,10 +6,10 @@ before it replaces the live one."""
 
 from pyinfra import host
 
+from donorkit.box_operations import caddy_has_module
 from donorkit.caddy_config import caddy_config
-from donorkit.operations import caddy_has_module
 from donorkit.render import render_edge
-from pyinfra_snapshot.operations import apt_install
+from pyinfra_declared.apt import apt_install
 
 # curl: the verification suite checks each donor from the edge with it.
 apt_install(name="Install Caddy", packages=["caddy", "curl"], lock_wait=host.data.apt_lock_wait)

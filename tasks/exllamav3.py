@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pyinfra import host
 
-from donorkit.facts import host_profile
-from donorkit.operations import (
+from donorkit.box_facts import host_profile
+from donorkit.box_operations import (
     Exllamav3Build,
     build_wheel,
     copy_wheel_back,
@@ -23,7 +23,7 @@ from donorkit.operations import (
     upload_cached_wheel,
 )
 from donorkit.paths import repo_path
-from pyinfra_snapshot.operations import config_file, directories
+from pyinfra_declared.files import config_file, directories
 
 root = host.data.install_root
 source = f"{root}/src/exllamav3"

@@ -6,12 +6,8 @@ from pyinfra.operations import server
 
 from donorkit.fleet import plugin_local_path
 from donorkit.render import PLUGIN_TREE_STAMP
-from pyinfra_snapshot.operations import (
-    editable_install,
-    editable_install_command,
-    git_checkout,
-    source_tree,
-)
+from pyinfra_declared.python_env import editable_install, editable_install_command
+from pyinfra_declared.sources import git_checkout, source_tree
 
 plugin = host.data.vllm_exl3_plugin
 dest = host.data.vllm_exl3_plugin_dir

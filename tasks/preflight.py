@@ -5,8 +5,8 @@ installed."""
 
 from pyinfra import host
 
-from donorkit.facts import host_profile
-from donorkit.operations import host_matches_inventory
+from donorkit.box_facts import host_profile
+from donorkit.box_operations import host_matches_inventory
 
 host_matches_inventory(
     name="Check distro, GPU and driver against the inventory",

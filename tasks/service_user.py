@@ -2,7 +2,8 @@
 
 from pyinfra import host
 
-from pyinfra_snapshot.operations import directories, system_user
+from pyinfra_declared.files import directories
+from pyinfra_declared.services import system_user
 
 system_user(
     name=f"Create service user {host.data.service_user}",

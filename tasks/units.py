@@ -10,7 +10,8 @@ from pyinfra import host
 from donorkit.paths import repo_path
 from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
 from donorkit.serving import ready_gate
-from pyinfra_snapshot.operations import config_file, retired_unit, service_running_its_files
+from pyinfra_declared.files import config_file
+from pyinfra_declared.services import retired_unit, service_running_its_files
 
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"

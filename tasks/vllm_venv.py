@@ -4,9 +4,9 @@ the toolkit's nvcc (PyTorch refuses to build otherwise)."""
 
 from pyinfra import host
 
-from donorkit.operations import torch_matches_nvcc
+from donorkit.box_operations import torch_matches_nvcc
 from donorkit.render import VENV_BUSY_MARKER
-from pyinfra_snapshot.operations import python_venv, venv_packages
+from pyinfra_declared.operations import python_venv, venv_packages
 
 venv = host.data.venv_dir
 

@@ -18,7 +18,7 @@ from donorkit.serving import (
     manifest_dir,
     model_weights,
 )
-from pyinfra_snapshot.operations import absent_path, config_file, directories
+from pyinfra_declared.files import absent_path, config_file, directories
 
 root = host.data.install_root
 user, home = host.data.service_user, host.data.service_home

@@ -36,7 +36,7 @@ import yaml
 from donorkit import render
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
-from pyinfra_snapshot.facts import PathStates, UnitState
+from pyinfra_declared.batched_facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
@@ -220,7 +220,7 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     assert changed_ops(report, GOOD) == []
     assert report["results"]["totals"]["success"] == 0
     # Checked in full, in two remote commands: the host profile (read while the deploy loads)
-    # and the snapshot of every operation's facts (pyinfra_snapshot/snapshot.py). More means
+    # and the snapshot of every operation's facts (pyinfra_declared/snapshot.py). More means
     # a fact read that no operation declared.
     commands = re.findall(r"Running command on \S+: \(pty=\w+\) (.{0,60})", log)
     assert len(commands) == 2, commands
@@ -301,7 +301,7 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
 
 def test_batched_snapshot_reads_match_their_own_reads(hosts: dict[str, Host]) -> None:
     """On real systemd: the snapshot's one systemctl for all units and one stat for all paths
-    (pyinfra_snapshot/snapshot.py) give each request what its own command gives."""
+    (pyinfra_declared/snapshot.py) give each request what its own command gives."""
     good = hosts[GOOD]
 
     def remote(command: str) -> list[str]:
@@ -553,7 +553,7 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
     and a unit whose dependency changed while a run died is restarted by the next run."""
     good = hosts[GOOD]
     # Each is checked through the run's one-command snapshot of the host
-    # (pyinfra_snapshot/snapshot.py).
+    # (pyinfra_declared/snapshot.py).
     ssh(good, "systemctl stop vllm-qwen.service; echo '# drift' >> /etc/caddy/Caddyfile; "
               "apt-get -q -y remove ninja-build >/dev/null; "
               "/opt/uncloseai/vllm-venv/bin/pip uninstall -q -y wheel; "

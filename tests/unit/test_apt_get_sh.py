@@ -1,4 +1,4 @@
-"""pyinfra_snapshot/apt_get.sh in a real shell: apt-get runs only once the lock files are free of
+"""pyinfra_declared/apt_get.sh in a real shell: apt-get runs only once the lock files are free of
 fcntl(2) record locks (what apt and dpkg take), the wait is said on stderr, and it is bounded."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from donorkit.paths import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "pyinfra_snapshot/apt_get.sh"
+SCRIPT = REPO_ROOT / "pyinfra_declared/apt_get.sh"
 HOLD = ("import fcntl, sys, time\n"
         "f = open(sys.argv[1], 'w')\n"
         "fcntl.lockf(f, fcntl.LOCK_EX)\n"  # fcntl F_SETLKW, as apt and dpkg lock

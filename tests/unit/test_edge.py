@@ -20,7 +20,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from donorkit.facts import CaddyModules
+from donorkit.box_facts import CaddyModules
 from donorkit.fleet import DONORS_FILE, FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError

@@ -259,7 +259,7 @@ def test_the_token_is_roots_and_reaches_the_fetch_on_stdin(hub, tmp_path):
     from pyinfra.context import ctx_host
 
     from donorkit.serving import model_weights
-    from pyinfra_snapshot.testing import CaseHost
+    from pyinfra_declared.json_cases import CaseHost
 
     url, state = hub
     rev = revision(state)

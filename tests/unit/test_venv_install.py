@@ -20,8 +20,8 @@ import pytest
 
 from donorkit.fleet import DEFAULTS_FILE, load_fleet, read_yaml
 from donorkit.render import VENV_BUSY_MARKER
-from pyinfra_snapshot.operations import venv_packages
-from pyinfra_snapshot.testing import plan
+from pyinfra_declared.json_cases import plan
+from pyinfra_declared.python_env import venv_packages
 
 CARDS = sorted(read_yaml(DEFAULTS_FILE)["cards"])
 UV_VERSION = read_yaml(DEFAULTS_FILE)["uv_version"]

@@ -15,7 +15,7 @@ from pyinfra.api import Config, FactBase, Inventory, State
 from pyinfra.api.host import Host
 
 from donorkit import wheel_cache
-from donorkit.facts import CudaStack
+from donorkit.box_facts import CudaStack
 from donorkit.paths import REPO_ROOT
 from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
 

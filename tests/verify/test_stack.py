@@ -11,7 +11,7 @@ import pytest
 from boxcheck import as_user, check, missing, sass_archs, sm, unit_env, user_home, venv_json
 from testinfra.host import Host
 
-from donorkit.operations import driver_at_least
+from donorkit.box_operations import driver_at_least
 
 VERSIONS = ("import importlib.metadata as md, json\n"
             "def version(name):\n"

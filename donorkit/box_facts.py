@@ -8,7 +8,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase
 
-from pyinfra_snapshot.facts import first, sections
+from pyinfra_declared.batched_facts import first, sections
 
 
 class HostProfile(FactBase):

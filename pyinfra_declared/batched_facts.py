@@ -184,7 +184,7 @@ class PathStates(FactBase):
     def default(self) -> dict[str, dict]:
         return {}
 
-    # Batched (pyinfra_snapshot/snapshot.py): one `stat` and one `sha256sum` for every path of a
+    # Batched (pyinfra_declared/snapshot.py): one `stat` and one `sha256sum` for every path of a
     # snapshot instead of one or two programs started per operation.
     def batch_command(self, requests: list[dict]) -> str:
         paths = [path for kwargs in requests for path in kwargs["paths"]]

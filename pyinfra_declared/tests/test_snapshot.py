@@ -17,10 +17,10 @@ from pyinfra.api.operations import run_ops
 from pyinfra.api.state import StateStage
 from pyinfra.operations import server
 
-from pyinfra_snapshot import snapshot
-from pyinfra_snapshot.facts import PathStates
-from pyinfra_snapshot.operation import operation
-from pyinfra_snapshot.snapshot import Snapshot, host_changed, need
+from pyinfra_declared import snapshot
+from pyinfra_declared.batched_facts import PathStates
+from pyinfra_declared.decorator import operation
+from pyinfra_declared.snapshot import Snapshot, host_changed, need
 
 
 def run(command: str) -> list[str]:

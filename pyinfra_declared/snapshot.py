@@ -2,7 +2,7 @@
 
 pyinfra reads each fact with its own remote command and keeps no fact cache; on a host that
 needs nothing, every one of those reads is a round trip that finds nothing to do. Operations
-made with `pyinfra_snapshot.operation` declare the facts they need when the deploy calls them
+made with `pyinfra_declared.decorator` declare the facts they need when the deploy calls them
 (load time). When the run executes, the first fact read on a host takes a snapshot: every
 declared fact's own command, run in one shell, each parsed by its own `process` (a fact with
 `batch_command` and `batch_process` answers all its requests in one program, each value the same

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pyinfra_snapshot.facts import (
+from pyinfra_declared.batched_facts import (
     DebStatus,
     EditableInstall,
     GitCheckout,

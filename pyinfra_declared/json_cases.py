@@ -38,7 +38,7 @@ def as_text(command: object) -> str:
         return f"upload {command.dest}{via}"
     text = command.get_raw_value() if isinstance(command, StringCommand) else str(command)
     # apt commands carry apt_get.sh's shell function (tested on its own in a real shell).
-    from pyinfra_snapshot.operations import APT_FUNCTIONS
+    from pyinfra_declared.apt import APT_FUNCTIONS
 
     return text.replace(APT_FUNCTIONS, "<apt_get.sh>")
 

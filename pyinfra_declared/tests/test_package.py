@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pyinfra_snapshot import UnsupportedPyinfra, check_pyinfra
-from pyinfra_snapshot.facts import PathStates
-from pyinfra_snapshot.operation import fail, operation
-from pyinfra_snapshot.snapshot import need
-from pyinfra_snapshot.testing import CaseHost, plan
+from pyinfra_declared import UnsupportedPyinfra, check_pyinfra
+from pyinfra_declared.batched_facts import PathStates
+from pyinfra_declared.decorator import fail, operation
+from pyinfra_declared.json_cases import CaseHost, plan
+from pyinfra_declared.snapshot import need
 
 
 def test_the_pyinfra_it_was_written_for_is_accepted() -> None:
@@ -27,13 +27,13 @@ def test_another_pyinfra_is_refused_with_both_versions(found: str | None) -> Non
 
 
 def test_the_import_itself_checks() -> None:
-    """`import pyinfra_snapshot` under a pyinfra that reports another version stops there."""
+    """`import pyinfra_declared` under a pyinfra that reports another version stops there."""
     code = ("import importlib.metadata as m; real = m.version; "
             "m.version = lambda name: '3.11.0' if name == 'pyinfra' else real(name); "
-            "import pyinfra_snapshot")
+            "import pyinfra_declared")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0
-    assert "UnsupportedPyinfra: pyinfra_snapshot was written for pyinfra 3.10.x, but pyinfra " \
+    assert "UnsupportedPyinfra: pyinfra_declared was written for pyinfra 3.10.x, but pyinfra " \
            "3.11.0 is installed" in result.stderr
 
 
@@ -85,7 +85,7 @@ def test_the_operation_takes_only_its_own_arguments() -> None:
 
 
 REFUSING_DEPLOY = '''
-from pyinfra_snapshot.operation import fail, operation
+from pyinfra_declared.decorator import fail, operation
 
 
 @operation()

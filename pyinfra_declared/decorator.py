@@ -11,7 +11,7 @@
 Each keyword of `operation` names a parameter of the body that receives a fact's value; its
 lambda gets the operation's arguments (`op.packages`) and returns the fact and its arguments
 (`need(...)`), or None when that fact is not needed for these arguments. The facts are declared
-once, when the deploy calls the operation, and read by pyinfra_snapshot.snapshot: from the
+once, when the deploy calls the operation, and read by pyinfra_declared.snapshot: from the
 host's snapshot while the run has changed nothing there, a fresh read after. The body reads no
 fact itself. A body that only checks (no command ever) is a plain function: no `yield` needed.
 `fail(message)` refuses the host. When the run executes, the operation's command becomes one
@@ -38,8 +38,8 @@ import click
 from pyinfra import host, logger, state
 from pyinfra.api import operation as pyinfra_operation
 
-from pyinfra_snapshot import snapshot
-from pyinfra_snapshot.snapshot import Request
+from pyinfra_declared import snapshot
+from pyinfra_declared.snapshot import Request
 
 FactLambda = Callable[[SimpleNamespace], "Request | None"]
 

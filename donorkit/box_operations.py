@@ -1,6 +1,6 @@
 """Operations about donor boxes and edges: the card and toolkit checks, the exllamav3 wheel's steps,
 the edge Caddy's module check. The generic ones (packages, files, users, venvs, units) are in
-pyinfra_snapshot.operations."""
+pyinfra_declared (apt, files, python_env, sources, services)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from pyinfra.api import (
 )
 
 from donorkit import wheel_cache
-from donorkit.facts import CaddyModules, CudaStack
+from donorkit.box_facts import CaddyModules, CudaStack
 from donorkit.paths import repo_path
 from donorkit.wheel_cache import Exllamav3Stack
-from pyinfra_snapshot.operation import fail, operation
-from pyinfra_snapshot.snapshot import need
+from pyinfra_declared.decorator import fail, operation
+from pyinfra_declared.snapshot import need
 
 q = shlex.quote
 
