@@ -10,7 +10,7 @@ requests at most, --seconds at most) runs across, for each case:
   box:   donor B's Caddy killed, then started again (connections to B refused meanwhile).
 Printed per case: requests, answered by A / by B, failed (with their times after the stop), how
 long until B got no more requests, how long after the start until B got one again.
-A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.Fleet's
+A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.RolloutHosts'
 take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
 from donorkit.paths import REPO_ROOT
 from donorkit.paths import REPO_ROOT
@@ -202,7 +202,7 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
             for b, p in zip(boxes, DONOR_PORTS, strict=True)]
     edge["sites"] = [dict(site, upstreams=pool) for site in edge["sites"]]
 
-    class LocalFleet(rollout.Fleet):
+    class LocalFleet(rollout.RolloutHosts):
         def remote(self, host):
             return LocalRemote()
 

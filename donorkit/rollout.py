@@ -63,7 +63,7 @@ from donorkit.rollout_plan import (
     RolloutLocked,
     edge_sees,
     health_events,
-    load_fleet,
+    inventory_hosts,
     lock_command,
     lock_path,
     new_holder,
@@ -92,7 +92,7 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str,
         return f"{hostname}: {type(e).__name__}: {e}"
 
 
-class Fleet:
+class RolloutHosts:
     """The boxes, the edges, and SSH connections to them opened when first needed."""
 
     def __init__(self, boxes: list[Box], edges: list[Edge]) -> None:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pyinfra_args", nargs="*", help="after --: passed to pyinfra")
     args = parser.parse_args(argv)
 
-    boxes, edges = load_fleet(args.inventory)
+    boxes, edges = inventory_hosts(args.inventory)
     if not boxes:
         print("rollout: the inventory has no donors", file=sys.stderr)
         return 2
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan_text(batches, edges, serving)), flush=True)
         return 0
 
-    fleet = Fleet(boxes, edges)
+    fleet = RolloutHosts(boxes, edges)
     if args.unlock:
         return unlock_all(fleet)
     holder = new_holder()
@@ -331,7 +331,7 @@ def stopped_at(args) -> str:
             f"  resume with: {resume_command(args, at[0])}")
 
 
-def unlock_all(fleet: Fleet) -> int:
+def unlock_all(fleet: RolloutHosts) -> int:
     """--unlock: remove every donor's rollout lock, saying whose it was; 1 if a box could not
     be asked."""
     failed = 0
@@ -351,7 +351,7 @@ def unlock_all(fleet: Fleet) -> int:
     return 1 if failed else 0
 
 
-def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str, list[Box]],
+def run_batches(args, fleet: RolloutHosts, batches: list[list[Box]], serving: dict[str, list[Box]],
                 timeout: float) -> int:
     done: list[tuple[str, float]] = []
     began = time.monotonic()

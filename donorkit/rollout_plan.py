@@ -54,7 +54,7 @@ class Edge:
 seconds = values.duration_seconds
 
 
-def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:
+def inventory_hosts(inventory: str) -> tuple[list[Box], list[Edge]]:
     """The inventory file's `donors` and `edges` groups, as pyinfra itself loads them (same
     file, same data)."""
     groups = runpy.run_path(str(REPO_ROOT / inventory))
@@ -63,7 +63,7 @@ def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:
 
 
 def load_boxes(inventory: str) -> list[Box]:
-    return load_fleet(inventory)[0]
+    return inventory_hosts(inventory)[0]
 
 
 # --- the edge's view of a box -----------------------------------------------------------------

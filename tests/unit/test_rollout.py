@@ -171,7 +171,7 @@ def run_main(monkeypatch, tmp_path, fake: dict, argv: list[str]) -> tuple[int, s
         made.append(FakeFleet(boxes, edges, **fake))
         return made[0]
 
-    monkeypatch.setattr(rollout, "Fleet", fleet)
+    monkeypatch.setattr(rollout, "RolloutHosts", fleet)
     return rollout.main(argv), "", made[0]
 
 
@@ -211,9 +211,9 @@ class LocalRemote:
                                    else result.stdout + result.stderr)
 
 
-def local_fleet(tmp_path: Path, names: list[str]) -> rollout.Fleet:
+def local_fleet(tmp_path: Path, names: list[str]) -> rollout.RolloutHosts:
     boxes = [Box(n, {"install_root": str(tmp_path / n)}) for n in names]
-    fleet = rollout.Fleet(boxes, [])
+    fleet = rollout.RolloutHosts(boxes, [])
     fleet.remote = lambda host: LocalRemote()
     return fleet
 
