@@ -12,7 +12,6 @@ Printed per case: requests, answered by A / by B, failed (with their times after
 long until B got no more requests, how long after the start until B got one again.
 A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.RolloutHosts'
 take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
-from donorkit.paths import REPO_ROOT
 from its output file instead of its journal) around a model restart of A, then of B, under
 the same loop: requests, failed, and how long each box took to leave and to rejoin the pool.
 
