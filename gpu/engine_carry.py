@@ -9,8 +9,8 @@ What goes in:
 - wheels/: vLLM 0.26.0 (PyPI) and its dependencies for CPython 3.12 x86_64, resolved by pip against
   PyPI's metadata with the image's torch 2.11.0+cu130 (and torchvision/torchaudio) standing in as
   metadata-only wheels, less EXCLUDED (each with its reason); requirements.json says which
-  specifiers the set places on each distribution, so gpu/engine_install.py installs only what the
-  GPU machine's image lacks or holds at a version outside them.
+  specifiers the set places on each distribution, so gpu/engine_run.py (its install step)
+  installs only what the GPU machine's image lacks or holds at a version outside them.
 - cuda-13.3/: NVIDIA's CUDA 13.3 compiler wheels from PyPI (the testbed's list,
   tests/testbed/cuda_standin.py): the 4090 profile's toolkit, laid out as /usr/local/cuda-13.3.
 - models/: gpu/tiny_checkpoints.py's stand-in checkpoints (made in a build venv with the CPU torch
@@ -212,7 +212,7 @@ def main() -> int:
     chunks = split_into_chunks()
     size = sum((c / "part").stat().st_size for c in chunks)
     print(f"{len(chunks)} chunks, {size / 2**20:.0f} MiB: carry=['.gpu-engine/carry/NN'] one call "
-          f"each, then bash gpu/engine_device.sh (README: 'The real engine on a GPU')")
+          f"each, then python3 gpu/engine_run.py receive/launch/follow (docs/gpu.md)")
     return 0
 
 

@@ -4,7 +4,7 @@
 # dpkg's locks only). Waits up to WAIT seconds, saying so on stderr, then finishes a dpkg run
 # that was interrupted ("dpkg was interrupted, you must manually run 'dpkg --configure -a'").
 # apt and dpkg take fcntl(2) record locks, not flock(2): probed with F_GETLK, as apt would
-# see them, without taking them. Prepended to apt commands by the apt operations (pyinfra_declared/operations.py).
+# see them, without taking them. Prepended to apt commands by pyinfra_declared/apt.py.
 apt_get_when_free() {
   awf_wait=$1
   shift

@@ -106,7 +106,8 @@ def host_changed(run_state: Any, run_host: Any) -> bool:
     pyinfra has no call for this. It is answered from each operation's OperationMeta, which
     pyinfra gives deploys as an operation's result (is_complete, did_change, did_error are its
     public methods), found through State.get_op_data_for_host. The one place that knows how;
-    tests/test_host_changed.py checks it against a real State and real operations."""
+    pyinfra_declared/tests/test_snapshot.py (test_host_changed_follows_pyinfra_operation_results)
+    checks it against a real State and real operations."""
     for op_hash in run_host.op_hash_order:
         meta = run_state.get_op_data_for_host(run_host, op_hash).operation_meta
         if meta.is_complete() and (meta.did_change() or meta.did_error()):
