@@ -179,11 +179,21 @@ def cuda_paths(data: dict) -> dict[str, str]:
     }
 
 
+def hf_home(home: str) -> str:
+    """huggingface_hub's home for a user (HF_HOME): where the weights step runs the fetcher."""
+    return f"{home}/.cache/huggingface"
+
+
+def hub_cache(home: str) -> str:
+    """huggingface_hub's cache under a user's HF_HOME: the weights step fills it, the units'
+    vLLM reads it (HF_HUB_CACHE). The one place this path is spelt."""
+    return f"{hf_home(home)}/hub"
+
+
 def hub_environment(data: dict) -> dict[str, str]:
     """The weights are in the service user's cache before a unit starts (tasks/weights.py):
     vLLM reads them there and never asks the hub, so a restart never waits on it."""
-    return {"HF_HUB_CACHE": f"{data['service_home']}/.cache/huggingface/hub",
-            "HF_HUB_OFFLINE": "1"}
+    return {"HF_HUB_CACHE": hub_cache(data["service_home"]), "HF_HUB_OFFLINE": "1"}
 
 
 def unit_environment(data: dict, model: dict) -> dict[str, str]:

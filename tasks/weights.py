@@ -11,10 +11,10 @@ from pathlib import PurePosixPath
 from pyinfra import host
 
 from donorkit.paths import repo_path
+from donorkit.render import hub_cache
 from donorkit.serving import (
     hf_token_path,
     home_token_path,
-    hub_cache,
     manifest_dir,
     model_weights,
 )
