@@ -11,7 +11,7 @@ from pyinfra import host, local
 if "donors" in host.groups:
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no
     # CUDA toolkit, exllamav3 or plugin.
-    cuda_engine = host.data.card["engine"] == "cuda"
+    cuda_engine = host.data.card.engine == "cuda"
 
     local.include("tasks/preflight.py")
     if cuda_engine:

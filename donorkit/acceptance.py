@@ -153,7 +153,7 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
     for name, data in fleet.items():
         settings = AcceptanceSettings.model_validate(data["acceptance"])
         card = data["card"]
-        card_acc = CardAcceptance.model_validate(card.get("acceptance", {}))
+        card_acc = card.acceptance
         workload = settings.workload.model_copy(
             update=card_acc.workload.model_dump(exclude_none=True))
         seen = set()
@@ -181,7 +181,7 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
                 route_note = (f"to the donor's Caddy with client certificate {OPERATOR_CLIENT} "
                               f"({route_note})")
             targets.append(Target(
-                donor=name, card=card["name"], model=route["model"],
+                donor=name, card=card.name, model=route["model"],
                 checkpoint=model["checkpoint"], max_model_len=model["max_model_len"],
                 hostname=route["hostname"], base_url=base, ca_file=ca_file, workload=workload,
                 card_acceptance=card_acc, tolerance=settings.tolerance,

@@ -19,6 +19,7 @@ from pyinfra.api import (
 
 from donorkit import wheel_cache
 from donorkit.box_facts import CaddyModules, CudaStack
+from donorkit.host_data import HostCard
 from donorkit.paths import repo_path
 from donorkit.wheel_cache import Exllamav3Stack
 from pyinfra_declared.decorator import fail, operation
@@ -28,7 +29,7 @@ q = shlex.quote
 
 
 @operation()
-def host_matches_inventory(profile: dict, supported_distros: list[str], card: dict,
+def host_matches_inventory(profile: dict, supported_distros: list[str], card: HostCard,
                            require_nvidia_smi: bool, driver_minimum: str,
                            driver_cuda: str | None = None):
     """Refuse a box whose distro, GPU or NVIDIA driver (`profile`: the HostProfile fact, read
@@ -38,37 +39,37 @@ def host_matches_inventory(profile: dict, supported_distros: list[str], card: di
     if profile["distro"] not in supported_distros:
         fail(f"distro {profile['distro'] or 'unknown'} is not supported "
              f"(supported: {', '.join(supported_distros)})")
-    if card.get("engine") == "cpu":
-        host.noop(f"card profile '{card['name']}' is vLLM's CPU engine: no GPU to check")
+    if card.engine == "cpu":
+        host.noop(f"card profile '{card.name}' is vLLM's CPU engine: no GPU to check")
         return
     gpus = profile["gpus"]
     if gpus is None:
         if require_nvidia_smi:
             fail("nvidia-smi not found: install the NVIDIA driver first "
-                 f"({driver_minimum} or newer for card profile '{card['name']}')")
+                 f"({driver_minimum} or newer for card profile '{card.name}')")
         host.noop("no nvidia-smi here (require_nvidia_smi is off): GPU not checked")
         return
     if profile["nvidia_smi_error"] or not gpus:
         fail("nvidia-smi is present but lists no GPU (driver not loaded?)")
-    named = [g for g in gpus if g.get("name") == card["gpu_name"]]
+    named = [g for g in gpus if g.get("name") == card.gpu_name]
     if not named:
         found = "; ".join(f"{g.get('name')} (compute {g.get('compute_cap')})" for g in gpus)
-        fail(f"inventory says card '{card['name']}' ({card['gpu_name']}, compute "
-             f"{card['arch']}) but nvidia-smi reports {found}")
-    gpu = next((g for g in named if g.get("compute_cap") == card["arch"]), None)
+        fail(f"inventory says card '{card.name}' ({card.gpu_name}, compute "
+             f"{card.arch}) but nvidia-smi reports {found}")
+    gpu = next((g for g in named if g.get("compute_cap") == card.arch), None)
     if gpu is None:
-        fail(f"nvidia-smi reports {card['gpu_name']} with compute capability "
-             f"{named[0].get('compute_cap')}, card profile '{card['name']}' is built for "
-             f"{card['arch']}")
+        fail(f"nvidia-smi reports {card.gpu_name} with compute capability "
+             f"{named[0].get('compute_cap')}, card profile '{card.name}' is built for "
+             f"{card.arch}")
     driver = gpu.get("driver_version")
     if not driver_at_least(driver, driver_minimum):
-        cuda = driver_cuda or card["cuda"]
-        what = (f"CUDA {cuda}" if cuda == card["cuda"] else
-                f"CUDA {cuda}, which its vLLM build ({card.get('vllm_variant')}) runs")
+        cuda = driver_cuda or card.cuda
+        what = (f"CUDA {cuda}" if cuda == card.cuda else
+                f"CUDA {cuda}, which its vLLM build ({card.vllm_variant}) runs")
         fail(f"NVIDIA driver {driver or 'unknown'} is older than {driver_minimum}, the minimum "
-             f"for {what} (card profile '{card['name']}'): upgrade the driver; "
+             f"for {what} (card profile '{card.name}'): upgrade the driver; "
              "nothing was installed")
-    host.noop(f"{card['name']} present, driver {driver} (>= {driver_minimum}), "
+    host.noop(f"{card.name} present, driver {driver} (>= {driver_minimum}), "
               f"distro {profile['distro']}")
 
 

@@ -49,7 +49,7 @@ def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
     for name, fleet_data in fleet.items():
         data = {**fleet_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["donors"].append((name, data))
-        groups.setdefault(data["card"]["name"], []).append((name, data))
+        groups.setdefault(data["card"].name, []).append((name, data))
     for name, edge_data in (edges or {}).items():
         data = {**edge_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["edges"].append((name, data))

@@ -214,7 +214,7 @@ def exec_start(data: dict, model: dict) -> list[str]:
     return [data["vllm_executable"], "serve", model["checkpoint"],
             "--host", "127.0.0.1", "--port", str(model["port"]),
             "--max-model-len", str(model["max_model_len"]), *pinned_revision(model),
-            *map(str, model["args"]), *map(str, data["card"]["vllm_args"])]
+            *map(str, model["args"]), *map(str, data["card"].vllm_args)]
 
 
 def render_unit(data: dict, model: dict) -> str:

@@ -25,7 +25,7 @@ How the pieces fit (donorkit.fleet does the loading):
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from donorkit.unit_settings import UnitEnvName, UnitService
 from donorkit.values import (
@@ -125,28 +125,48 @@ class AcceptanceSettings(Strict):
     results_dir: str                                  # relative to the repo root
 
 
-class Card(Strict):
-    """A card profile (defaults.yml `cards:`): a new card is a new entry.
-
-    `engine: cpu` is vLLM's CPU build (the testbed's real-engine host): no GPU, no CUDA toolkit,
-    no exllamav3 or plugin; its venv is `packages` plus the pinned `requirements_file`, all
-    installed with --no-deps (the file says which of vLLM's requirements are left out, and why)."""
-
-    engine: Literal["cuda", "cpu"] = "cuda"
-    gpu_name: Text | None = None            # what nvidia-smi reports (cuda engine)
-    arch: Arch | None = None                # compute capability, "8.9" (cuda engine)
-    cuda: CudaVersion | None = None         # toolkit under /usr/local/cuda-<cuda> (cuda engine)
-    pip_index_url: Url                      # where pip finds this CUDA variant of torch/vLLM
+class _CardBase(Strict):
+    pip_index_url: Url                      # where pip finds this variant of torch/vLLM
     pip_extra_index_urls: list[Url]
+    pip_trusted_hosts: list[SshHost] = []   # hosts (name or IP) pip may use over plain http
+    acceptance: CardAcceptance = CardAcceptance()  # baseline and policy for `make accept`
+    vllm_args: list[ModelArg] = []          # flags this card adds to every model's vllm serve
+
+
+class CudaCard(_CardBase):
+    """A card profile (defaults.yml `cards:`) of a GPU: a new card is a new entry. `engine`
+    defaults to cuda."""
+
+    engine: Literal["cuda"] = "cuda"
+    gpu_name: Text                          # what nvidia-smi reports
+    arch: Arch                              # compute capability, "8.9"
+    cuda: CudaVersion                       # toolkit under /usr/local/cuda-<cuda>
     vllm_variant: VllmVariant | None = None  # vLLM's CUDA-variant build (cu129), if any
     pip_index_strategy: Literal["first-index", "unsafe-first-match",
                                 "unsafe-best-match"] | None = None  # uv's, several indexes
-    pip_find_links: list[Url] = []          # pip --find-links pages (cpu engine: torch's build)
-    pip_trusted_hosts: list[SshHost] = []   # hosts (name or IP) pip may use over plain http
-    packages: list[PipRequirement] = []     # cpu engine: vLLM and torch as pinned requirements
-    requirements_file: LocalPath | None = None  # cpu engine: every other distribution, pinned
-    acceptance: CardAcceptance = CardAcceptance()  # baseline and policy for `make accept`
-    vllm_args: list[ModelArg] = []          # flags this card adds to every model's vllm serve
+
+
+class CpuCard(_CardBase):
+    """`engine: cpu`: vLLM's CPU build (the testbed's real-engine host): no GPU, no CUDA toolkit,
+    no exllamav3 or plugin; its venv is `packages` plus the pinned `requirements_file`, all
+    installed with --no-deps (the file says which of vLLM's requirements are left out, and why)."""
+
+    engine: Literal["cpu"]
+    packages: Annotated[list[PipRequirement], Field(min_length=1)]  # vLLM and torch, pinned
+    requirements_file: LocalPath            # every other distribution, pinned
+    pip_find_links: list[Url] = []          # pip --find-links pages (torch's CPU build)
+
+
+def _engine(card: Any) -> str:
+    engine = card.get("engine", "cuda") if isinstance(card, dict) else getattr(card, "engine", "")
+    return f"engine={engine}"
+
+
+# A card profile is one of the two, by its `engine` (cuda when not said). The tag names the
+# branch in pydantic's error locations; the loader leaves it out of the field it names.
+Card = Annotated[Annotated[CudaCard, Tag("engine=cuda")] | Annotated[CpuCard, Tag("engine=cpu")],
+                 Discriminator(_engine, custom_error_type="card_engine",
+                               custom_error_message="engine must be cuda or cpu")]
 
 
 # vLLM 0.26.0 refuses this variable at engine start for a model with neither sliding-window nor
@@ -367,16 +387,8 @@ def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, st
     """Each of these cards' CUDA version has a driver minimum (the preflight compares with it)."""
     for name in cards:
         card = defaults.cards[name]
-        if card.engine == "cpu":
-            if card.cuda or card.gpu_name or card.arch or card.vllm_variant or not card.packages \
-                    or not card.requirements_file:
-                return f"cards.{name}", ("a cpu engine has packages and requirements_file, and "
-                                         "no gpu_name, arch, cuda or vllm_variant")
+        if not isinstance(card, CudaCard):
             continue
-        missing = [f for f in ("gpu_name", "arch", "cuda") if getattr(card, f) is None]
-        if missing or card.packages or card.requirements_file:
-            return f"cards.{name}", ("a cuda engine needs gpu_name, arch and cuda, and takes no "
-                                     "packages or requirements_file")
         for field, cuda in (("cuda", card.cuda), ("vllm_variant", variant_cuda(card.vllm_variant))):
             if cuda and cuda not in defaults.cuda_driver_minimums:
                 return f"cards.{name}.{field}", (f"CUDA {cuda} has no driver minimum (a version "

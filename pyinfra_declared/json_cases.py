@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import typing
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
 from pyinfra.api import FileUploadCommand, StringCommand
 from pyinfra.context import ctx_host
 
@@ -64,9 +66,17 @@ def refusal_message(commands: list[str]) -> str:
     return message
 
 
+def typed_args(op: Any, args: dict) -> dict:
+    """The case's JSON arguments as the operation's signature types them (a typed model from
+    its JSON mapping, as pydantic reads it); the rest as given."""
+    hints = typing.get_type_hints(op.body, include_extras=True)
+    return {name: TypeAdapter(hints[name]).validate_python(value) if name in hints else value
+            for name, value in args.items()}
+
+
 def check_case(op: Any, case: Path) -> None:
     spec = json.loads(case.read_text())
-    commands, noops = plan(op, spec["args"], spec.get("facts", {}))
+    commands, noops = plan(op, typed_args(op, spec["args"]), spec.get("facts", {}))
     if "error" in spec:
         assert re.search(spec["error"], refusal_message(commands)), commands
         return

@@ -28,7 +28,7 @@ from pyinfra_declared.files import config_file, directories
 root = host.data.install_root
 source = f"{root}/src/exllamav3"
 script = f"{root}/bin/build-exllamav3.sh"
-arch = host.data.card["arch"]
+arch = host.data.card.arch
 
 config_file(name="Install the exllamav3 build script",
             content=repo_path("files/build_exllamav3.sh").read_text(), dest=script, mode="755")

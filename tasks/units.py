@@ -16,7 +16,7 @@ from pyinfra_declared.services import retired_unit, service_running_its_files
 install_root = host.data.install_root
 site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
 shared_dependencies = [f"{site_packages}/*.dist-info"]
-if host.data.card["engine"] == "cuda":  # a cpu engine has no plugin and no exllamav3
+if host.data.card.engine == "cuda":  # a cpu engine has no plugin and no exllamav3
     shared_dependencies += [
         f"{host.data.vllm_exl3_plugin_dir}/{PLUGIN_TREE_STAMP}",
         f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",

@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import paramiko
 import pytest
@@ -88,7 +89,7 @@ def option(sock: socket.socket, name: int) -> int:
 
 def our_host_data() -> dict:
     """What donorkit/inventory.py gives pyinfra for a donor, less the fleet's own fields."""
-    [(_, data)] = pyinfra_groups({"box": {"card": {"name": "rtx4090"}}})["donors"]
+    [(_, data)] = pyinfra_groups({"box": {"card": SimpleNamespace(name="rtx4090")}})["donors"]
     return {key: value for key, value in data.items() if key.startswith("ssh_")}
 
 

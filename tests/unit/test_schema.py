@@ -64,7 +64,7 @@ def test_one_field_of_a_card_and_one_env_value_overridden(tmp_path: Path) -> Non
     box = load_fleet(with_overrides(tmp_path, {
         "cards": {"rtx4090": {"cuda": "13.0"}},
         "unit_environment": {"EXTRA": "1"}}))["box"]
-    assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"]["arch"] == "8.9"
+    assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"].arch == "8.9"
     assert box["unit_environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                        "EXTRA": "1"}
 

@@ -267,7 +267,7 @@ def _cuda_only(request: pytest.FixtureRequest) -> None:
         return
     data = selected_donors(request.config)[request.getfixturevalue("donor")]
     name = request.node.originalname
-    if data["card"]["engine"] == "cpu" and (request.path.name in CUDA_ONLY_MODULES
+    if data["card"].engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
                                             or name in CUDA_ONLY_TESTS):
-        pytest.skip(f"card profile '{data['card']['name']}' is vLLM's CPU engine: no CUDA, "
+        pytest.skip(f"card profile '{data['card'].name}' is vLLM's CPU engine: no CUDA, "
                     "exllamav3, plugin or GPU")
