@@ -185,7 +185,7 @@ class LocalRemote:
 
 
 def rollout_case(bench: Bench, count: int, seconds: float) -> None:
-    from donorkit import rollout
+    from donorkit import rollout, rollout_plan
 
     tmp = bench.tmp
     donors, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
@@ -194,7 +194,7 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
         data = dict(donors[name], pki_dir=str(tmp / "pki"), install_root=str(tmp / name),
                     ssh_hostname="127.0.0.1", caddy_https_port=DONOR_PORTS[i])
         data["models"] = {"qwen": dict(data["models"]["qwen"], port=MODEL_PORTS[i])}
-        boxes.append(rollout.Box(name, data))
+        boxes.append(rollout_plan.Box(name, data))
     edge = dict(edges["tb-edge"], caddy_admin_socket=str(tmp / "edge" / "admin.sock"))
     pool = [{"donor": b.name, "address": f"127.0.0.1:{p}"}
             for b, p in zip(boxes, DONOR_PORTS, strict=True)]
@@ -205,9 +205,9 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
             return LocalRemote()
 
         def edge_events(self, edge, address, since):
-            return rollout.health_events((tmp / "edge.log").read_text(), address)
+            return rollout_plan.health_events((tmp / "edge.log").read_text(), address)
 
-    fleet = LocalFleet(boxes, [rollout.Edge("tb-edge", edge)])
+    fleet = LocalFleet(boxes, [rollout_plan.Edge("tb-edge", edge)])
     tag = f"rollout{os.getpid()}"
     results: list[int | str] = []
     done = threading.Event()

@@ -28,7 +28,7 @@ import yaml
 
 from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.rollout import Box, load_boxes
+from donorkit.rollout_plan import Box, load_boxes
 from tests.testbed import hosts as bed
 from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
 

@@ -6,7 +6,7 @@ from pyinfra import host
 
 from donorkit.box_operations import torch_matches_nvcc
 from donorkit.render import VENV_BUSY_MARKER
-from pyinfra_declared.operations import python_venv, venv_packages
+from pyinfra_declared.python_env import python_venv, venv_packages
 
 venv = host.data.venv_dir
 

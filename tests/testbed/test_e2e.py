@@ -229,6 +229,18 @@ def test_second_run_changes_nothing_and_restarts_nothing(hosts: dict[str, Host])
     assert unit_start(good, "caddy") == caddy_before
 
 
+def test_noop_benchmark_modes_run_on_the_converged_host(hosts: dict[str, Host]) -> None:
+    """bench/noop_rerun.py's three deploys, as the benchmark runs them (its smoke run): ours,
+    stock (bench/stock_inventory.py) and the floor (bench/floor_deploy.py), each a no-op."""
+    from bench import noop_rerun
+
+    for mode in ("ours", "stock", "floor"):
+        elapsed, report, _, cpu = noop_rerun.deploy(DONORS, "--limit", GOOD, mode=mode)
+        assert noop_rerun.changes(report) == 0, (mode, report)
+        print(f"\nnoop bench smoke, {mode}: {elapsed:.2f} s (controller CPU "
+              f"{cpu['controller']:.2f} s)")
+
+
 def pyinfra_as_a_user_runs_it(*args: str, answer: str | None = None,
                                env: dict[str, str] | None = None) -> tuple[int, str]:
     """pyinfra as the README gives it: no -y; with `answer`, the prompt gets that line."""
@@ -965,7 +977,7 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
     the edge's health checks only) and waits for nothing in flight before restarting it, and
     goes on only once the edge's health checker logged it up again. The journals show the two
     boxes never down at once."""
-    from donorkit.rollout import Box
+    from donorkit.rollout_plan import Box
     from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
 
     # First the fix for tb-4090b alone, resumed from where the failed rollout stopped.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import pki, rollout
+from donorkit import pki, rollout_plan
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.render import render_edge_caddyfile
@@ -262,7 +262,7 @@ def test_one_duration_type_for_schema_template_and_rollout(tmp_path: Path) -> No
     proxy = {"health_interval": "1m30s", "health_timeout": "1.5s"}
     _, edges = load_inventory(write(tmp_path, edges={
         "front": dict(EDGE, overrides={"edge_proxy": proxy})}))
-    edge = rollout.Edge("front", edges["front"])
+    edge = rollout_plan.Edge("front", edges["front"])
     assert edge.health_wait == 91.5
     text = render_edge_caddyfile(edges["front"])
     assert "\t\t\thealth_interval 90s\n" in text and "\t\t\thealth_timeout 1500ms\n" in text
