@@ -160,6 +160,33 @@ class DebStatus(FactBase):
         return [installed & set(kwargs["packages"]) for kwargs in requests]
 
 
+_TEXT_MARK = "@@pyinfra-text-file "
+
+
+class TextFiles(FactBase):
+    """The lines of several text files in one command, {path: lines}; an absent file is left
+    out (what --diff shows a multi-file operation's changes from). `awk 1` ends every file's last
+    line, so the next marker starts a line of its own."""
+
+    def command(self, paths: list[str]) -> str:
+        return "".join(f"[ ! -f {shlex.quote(p)} ] || {{ echo {shlex.quote(_TEXT_MARK + p)}; "
+                       f"awk 1 {shlex.quote(p)}; }}; " for p in paths) + "true"
+
+    def process(self, output: list[str]) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        current = None
+        for line in output:
+            if line.startswith(_TEXT_MARK):
+                current = line[len(_TEXT_MARK):]
+                found[current] = []
+            elif current is not None:
+                found[current].append(line)
+        return found
+
+    def default(self) -> dict:
+        return {}
+
+
 class PathStates(FactBase):
     """Type, owner, group and mode of each path that exists, plus the sha256 of those in
     `digest`: one command for what pyinfra's File and Sha256File read in one each per path."""

@@ -11,7 +11,7 @@ from pyinfra.api import deploy
 from donorkit.paths import repo_path
 from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
 from donorkit.serving import ready_gate
-from pyinfra_declared.files import config_file
+from pyinfra_declared.files import ConfigFile, config_files
 from pyinfra_declared.services import retired_unit, service_running_its_files
 
 
@@ -28,19 +28,23 @@ def apply() -> None:
         ]
 
     gate = f"{install_root}/bin/wait_ready.py"
-    config_file(name="Install the readiness gate", content=repo_path(
-        "files/wait_ready.py").read_text(), dest=gate, mode="755")
-
     for unit in host.data.retired_units:
         retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
                      unit_path=f"{UNIT_DIR}/{unit}")
 
-    for model in host.data.models.values():
+    # The gate and every unit in one operation; a unit systemd would refuse (or warn about: a
+    # line it ignores) never replaces a working one.
+    models = list(host.data.models.values())
+    config_files(
+        name=f"Install the readiness gate and {', '.join(m['unit'] for m in models)}",
+        files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
+                          mode="755"),
+               *(ConfigFile(content=render_unit(host.data.dict(), model),
+                            dest=f"{UNIT_DIR}/{model['unit']}", validate=VERIFY_UNIT)
+                 for model in models)])
+
+    for model in models:
         unit_path = f"{UNIT_DIR}/{model['unit']}"
-        # A unit systemd would refuse (or warn about: a line it ignores) never replaces a working
-        # one.
-        config_file(name=f"Install {model['unit']}", content=render_unit(host.data.dict(), model),
-                    dest=unit_path, validate=VERIFY_UNIT)
         service_running_its_files(
             name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
             unit=model["unit"],

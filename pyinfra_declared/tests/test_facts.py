@@ -180,3 +180,16 @@ def test_unit_state_batched_answers_each_unit_or_refuses() -> None:
         {"LoadState": "loaded", "ActiveState": "active", "OnDisk": "a", "Recorded": "a"},
         {"LoadState": "not-found", "ActiveState": "inactive", "OnDisk": "b", "Recorded": "",
          "Present": "yes"}]
+
+
+def test_text_files_in_one_command(tmp_path: Path) -> None:
+    """Each file's lines as `cat` gives them, the last line ended or not; an absent file left
+    out; a line that looks like a header of another fact is just a line."""
+    from pyinfra_declared.batched_facts import TextFiles
+
+    (tmp_path / "a").write_text("one\n@@two\n")
+    (tmp_path / "b b").write_text("no newline at the end")
+    paths = [str(tmp_path / "a"), str(tmp_path / "b b"), str(tmp_path / "absent")]
+    fact = TextFiles()
+    assert fact.process(run(fact.command(paths))) == {
+        paths[0]: ["one", "@@two"], paths[1]: ["no newline at the end"]}

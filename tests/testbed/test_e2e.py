@@ -88,7 +88,8 @@ def deploy(*extra: str, timeout: float = 3000, want_json: bool = True) -> tuple[
 
 
 def _ops(report: dict, host: str, outcome: str) -> list[str]:
-    """Operation names (without pyinfra's "tasks/x.py | " prefix) with that outcome on host."""
+    """Operation names (without their step's "Deploy name | " prefix) with that outcome on
+    host."""
     return [op["name"].split(" | ", 1)[-1] for op in report["results"]["operations"]
             if host in op[outcome]]
 
@@ -182,7 +183,7 @@ def test_old_driver_stops_at_the_preflight_before_installing(hosts: dict[str, Ho
     refusal = (f"refused: {OLD}: NVIDIA driver {OLD_DRIVER} is older than 580.65.06, the "
                "minimum for CUDA 13.3 (card profile 'rtx4090')")
     assert refusal in output, output[-4000:]
-    assert "Starting operation: tasks/cuda.py" not in output[output.index(refusal):]
+    assert "Starting operation: CUDA toolkit | " not in output[output.index(refusal):]
     # The preview (`--dry`, as the README gives it): the refusal as a refusal, not a "Change",
     # and no change proposed after it on that host (pyinfra's own server.shell for the plugin's
     # reinstall stays under "Conditional Change": its condition is an earlier step's change).
@@ -205,7 +206,7 @@ def test_broken_host_stops_at_the_cuda_step_with_a_clear_message(hosts: dict[str
                "installing cuda-toolkit-12-8")
     assert refusal in output, output[-4000:]
     after = output[output.index(refusal):]
-    assert "Starting operation: tasks/build_tools.py" not in after, "it went on after the refusal"
+    assert "Starting operation: Build tools | " not in after, "it went on after the refusal"
     # Nothing after that step ran on it: no venv.
     assert ssh(hosts[BAD], "test -e /opt/uncloseai/vllm-venv", check=False).returncode != 0
 
@@ -303,7 +304,8 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
     rc, output = pyinfra_as_a_user_runs_it("inventory/gpus.py", "deploy.py", "--limit", GOOD,
                                            "--dry", "--diff", env={"DONORS_FILE": str(donors)})
     assert rc == 0, output[-6000:]
-    assert preview_rows(output, GOOD, "change") == ["Install vllm-qwen.service"], output[-6000:]
+    assert preview_rows(output, GOOD, "change") == [
+        "Install the readiness gate and vllm-qwen.service"], output[-6000:]
     assert f"Will modify {unit}" in output
     assert re.search(r"\+\s*Environment=\"?UNCLOSEAI_PREVIEW=1", output), output[-6000:]
     assert "--> Beginning operation run" not in output
@@ -348,9 +350,9 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     proposed = preview_rows(output, SECOND)
     for step in ("Install build tools", "Create the venv /opt/uncloseai/vllm-venv",
                  "exllamav3: upload the cached wheel of this stack", "exllamav3: install the wheel",
-                 "Install the vllm-exl3 plugin again (its source changed)",
-                 "Install /etc/caddy/Caddyfile"):
+                 "Install the vllm-exl3 plugin again (its source changed)"):
         assert step in proposed, (step, proposed)
+    assert any(step.startswith("Install Caddy's files (") for step in proposed), proposed
     assert ssh(hosts[SECOND], "test -e /opt/uncloseai", check=False).returncode != 0
     second = hosts[SECOND]
     # Before its first deploy, tb-4090b's dpkg is killed mid-install (as an SSH drop would), at
@@ -576,16 +578,17 @@ def test_rerun_repairs_drift(hosts: dict[str, Host]) -> None:
                                            "--dry", "--diff")
     assert rc == 0, output[-6000:]
     proposed = preview_rows(output, GOOD, "change")
-    for step in ("Install build tools", "Install /etc/caddy/Caddyfile",
-                 "Create service user fox", "Install the exllamav3 build script"):
+    for step in ("Install build tools", "Create service user fox",
+                 "Install the exllamav3 build script"):
         assert step in proposed, (step, proposed)
+    assert any(step.startswith("Install Caddy's files (") for step in proposed), proposed
     assert re.search(r"-\s*# drift", output), output[-6000:]
     assert "# drift" in ssh(good, "cat /etc/caddy/Caddyfile").stdout
     rc, report, log = deploy("--limit", GOOD)
     assert rc == 0, log[-4000:]
     changed = changed_ops(report, GOOD)
     assert "Install build tools" in changed
-    assert "Install /etc/caddy/Caddyfile" in changed
+    assert any(name.startswith("Install Caddy's files (") for name in changed), changed
     assert "Run Caddy with the current config" in changed
     assert any(name.startswith("Run vllm-qwen.service") for name in changed)
     assert any(name.startswith("Install vllm ") for name in changed)
@@ -654,7 +657,7 @@ def test_edge_converged_rerun_changes_nothing(hosts: dict[str, Host]) -> None:
     # Only the edge's own task files ran there (deploy.py includes the donors' for `donors`).
     ran = [op["name"] for op in report["results"]["operations"]
            if EDGE in op["success"] + op["no_change"] + op["error"]]
-    assert ran and all(name.startswith(("tasks/caddy_repository.py", "tasks/edge_caddy.py"))
+    assert ran and all(name.startswith(("Caddy repository | ", "Edge Caddy | "))
                        for name in ran), ran
     assert unit_start(hosts[EDGE], "caddy") == before
 
