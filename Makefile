@@ -1,6 +1,8 @@
-# The front door. Every target sets up what it needs (the project venv from requirements.txt).
-#   make test                         unit tests + ruff (no hosts needed; as root it apt-installs
-#                                     the distro's caddy and systemd-analyze where missing)
+# The front door. Every target sets up what it needs: the project venv (.venv), this checkout
+# installed editable with the operator's dependencies (pyproject.toml), plus the `test` extra for
+# test and testbed.
+#   make test                         unit tests + ruff (no hosts needed; needs the distro's caddy
+#                                     and systemd-analyze, named with the apt line when missing)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
@@ -17,23 +19,28 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv test testbed verify render lint rollout accept gpu-engine-carry
+.PHONY: venv venv-test test testbed verify render lint rollout accept gpu-engine-carry
 
 venv: $(VENV)/.installed
+venv-test: $(VENV)/.installed-test
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install -q --disable-pip-version-check -e .
 	touch $@
 
-lint: venv
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+lint: venv-test
 	$(BIN)/ruff check .
 
 test: lint
 	$(BIN)/python -m tests.unit.host_tools
-	$(BIN)/pytest -q tests/unit pyinfra_snapshot/tests
+	$(BIN)/pytest -q tests/unit pyinfra_declared/tests
 
-testbed: venv
+testbed: venv-test
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed
 
 verify: venv
@@ -50,4 +57,4 @@ accept: venv
 	$(BIN)/python -m donorkit.accept $(if $(LIMIT),--limit "$(LIMIT)") $(if $(VIA),--via "$(VIA)")
 
 gpu-engine-carry: venv
-	$(BIN)/python gpu/engine_carry.py
+	$(BIN)/python -m gpu.engine_carry

@@ -1,32 +1,47 @@
 """
 Turn a bare Ubuntu 22.04/24.04 or Debian 12 box with an RTX 4090 or 3090 into an uncloseai
 serving node, in the order the box is built; then the edges, the public front doors that proxy
-each hostname to the donors routing it.
+each hostname to the donors routing it. Each step is one module of tasks/ (a pyinfra deploy).
 
 Usage: pyinfra inventory/gpus.py deploy.py [--limit HOST]
 """
 
-from pyinfra import host, local
+from pyinfra import host
+
+from tasks import (
+    build_tools,
+    caddy,
+    caddy_repository,
+    cuda,
+    edge_caddy,
+    exllamav3,
+    plugin,
+    preflight,
+    service_user,
+    units,
+    vllm_venv,
+    weights,
+)
 
 if "donors" in host.groups:
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no
     # CUDA toolkit, exllamav3 or plugin.
-    cuda_engine = host.data.card["engine"] == "cuda"
+    cuda_engine = host.data.card.engine == "cuda"
 
-    local.include("tasks/preflight.py")
+    preflight.apply()
     if cuda_engine:
-        local.include("tasks/cuda.py")
-    local.include("tasks/build_tools.py")
-    local.include("tasks/service_user.py")
-    local.include("tasks/vllm_venv.py")
+        cuda.apply()
+    build_tools.apply()
+    service_user.apply()
+    vllm_venv.apply()
     if cuda_engine:
-        local.include("tasks/exllamav3.py")
-        local.include("tasks/plugin.py")
-    local.include("tasks/weights.py")
-    local.include("tasks/units.py")
-    local.include("tasks/caddy_repository.py")
-    local.include("tasks/caddy.py")
+        exllamav3.apply()
+        plugin.apply()
+    weights.apply()
+    units.apply()
+    caddy_repository.apply()
+    caddy.apply()
 
 if "edges" in host.groups:
-    local.include("tasks/caddy_repository.py")
-    local.include("tasks/edge_caddy.py")
+    caddy_repository.apply()
+    edge_caddy.apply()

@@ -50,27 +50,29 @@ import yaml
 
 from bench.noop_rerun import donors_file
 from donorkit.fleet import DEFAULTS_FILE, read_yaml
+from donorkit.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 BASELINE = "5a63750"  # main before issue 22: the venv installed with pip
-# Task file -> phase, in deploy order (deploy.py).
+# A step's name in the run log -> phase, in deploy order (deploy.py): its deploy name (tasks/
+# modules are pyinfra deploys), or its task file as the deploy before them named it (a --baseline
+# revision).
 PHASES = {
-    "preflight.py": "preflight",
-    "cuda.py": "CUDA packages",
-    "build_tools.py": "build tools",
-    "service_user.py": "service user",
-    "vllm_venv.py": "venv",
-    "exllamav3.py": "exllamav3 wheel fetch",
-    "plugin.py": "plugin",
-    "weights.py": "weights",
-    "units.py": "units: start to ready",
-    "caddy_repository.py": "Caddy",
-    "caddy.py": "Caddy",
+    "Preflight": "preflight", "preflight.py": "preflight",
+    "CUDA toolkit": "CUDA packages", "cuda.py": "CUDA packages",
+    "Build tools": "build tools", "build_tools.py": "build tools",
+    "Service user": "service user", "service_user.py": "service user",
+    "vLLM venv": "venv", "vllm_venv.py": "venv",
+    "exllamav3": "exllamav3 wheel fetch", "exllamav3.py": "exllamav3 wheel fetch",
+    "vllm-exl3 plugin": "plugin", "plugin.py": "plugin",
+    "Weights": "weights", "weights.py": "weights",
+    "vLLM units": "units: start to ready", "units.py": "units: start to ready",
+    "Caddy repository": "Caddy", "caddy_repository.py": "Caddy",
+    "GPU-side Caddy": "Caddy", "caddy.py": "Caddy",
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STARTING = re.compile(r"--> Starting (?:[\w ,]+ )?operation: (?:tasks/)?(\S+\.py) \| ")
+STARTING = re.compile(r"--> Starting (?:[\w ,]+ )?operation: (?:tasks/)?(.+?) \| ")
 
 
 def phases_of(lines: list[tuple[float, str]], end: float) -> dict[str, float]:
@@ -81,7 +83,7 @@ def phases_of(lines: list[tuple[float, str]], end: float) -> dict[str, float]:
         match = STARTING.search(ANSI.sub("", line))
         if not match:
             continue
-        phase = PHASES.get(Path(match[1]).name, Path(match[1]).stem)
+        phase = PHASES.get(match[1], match[1])
         if phase != current:
             found[current] = found.get(current, 0.0) + stamp - since
             current, since = phase, stamp

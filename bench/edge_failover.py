@@ -10,7 +10,7 @@ requests at most, --seconds at most) runs across, for each case:
   box:   donor B's Caddy killed, then started again (connections to B refused meanwhile).
 Printed per case: requests, answered by A / by B, failed (with their times after the stop), how
 long until B got no more requests, how long after the start until B got one again.
-A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.Fleet's
+A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.RolloutHosts'
 take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
 from its output file instead of its journal) around a model restart of A, then of B, under
 the same loop: requests, failed, and how long each box took to leave and to rejoin the pool.
@@ -35,11 +35,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from donorkit import render  # noqa: E402
-from donorkit.fleet import load_inventory  # noqa: E402
+from donorkit import render
+from donorkit.fleet import load_inventory
+from donorkit.paths import REPO_ROOT
 
 HOSTNAME = "hermes.ai.unturf.com"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"
@@ -175,7 +173,7 @@ class Bench:
 
 
 class LocalRemote:
-    """donorkit.rollout.Remote's commands, run on this machine (the bench's hosts are local)."""
+    """donorkit.transport.SshRunner's commands, run here (the bench's hosts are local)."""
 
     def run(self, command: str) -> tuple[int, str]:
         done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
@@ -187,7 +185,7 @@ class LocalRemote:
 
 
 def rollout_case(bench: Bench, count: int, seconds: float) -> None:
-    from donorkit import rollout
+    from donorkit import rollout, rollout_plan
 
     tmp = bench.tmp
     donors, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
@@ -196,20 +194,20 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
         data = dict(donors[name], pki_dir=str(tmp / "pki"), install_root=str(tmp / name),
                     ssh_hostname="127.0.0.1", caddy_https_port=DONOR_PORTS[i])
         data["models"] = {"qwen": dict(data["models"]["qwen"], port=MODEL_PORTS[i])}
-        boxes.append(rollout.Box(name, data))
+        boxes.append(rollout_plan.Box(name, data))
     edge = dict(edges["tb-edge"], caddy_admin_socket=str(tmp / "edge" / "admin.sock"))
     pool = [{"donor": b.name, "address": f"127.0.0.1:{p}"}
             for b, p in zip(boxes, DONOR_PORTS, strict=True)]
     edge["sites"] = [dict(site, upstreams=pool) for site in edge["sites"]]
 
-    class LocalFleet(rollout.Fleet):
+    class LocalFleet(rollout.RolloutHosts):
         def remote(self, host):
             return LocalRemote()
 
         def edge_events(self, edge, address, since):
-            return rollout.health_events((tmp / "edge.log").read_text(), address)
+            return rollout_plan.health_events((tmp / "edge.log").read_text(), address)
 
-    fleet = LocalFleet(boxes, [rollout.Edge("tb-edge", edge)])
+    fleet = LocalFleet(boxes, [rollout_plan.Edge("tb-edge", edge)])
     tag = f"rollout{os.getpid()}"
     results: list[int | str] = []
     done = threading.Event()

@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from donorkit.paths import REPO_ROOT
+
 # What any compile of the extension runs. Not nvcc itself: the stack fact runs `nvcc --version`
 # on every deploy, and every real nvcc compile runs cicc/ptxas and the host compiler's cc1plus.
 COMPILERS = {"cicc", "ptxas", "cc1plus", "cc1", "ninja", "fatbinary", "nvlink"}

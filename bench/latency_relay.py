@@ -13,7 +13,7 @@ import time
 class Relay:
     """`with Relay({"name": (host, port)}, delay_s=0.025) as r:` then connect to
     (r.addresses[name], r.ports[name]): each target has its own loopback address, so an inventory
-    of relayed hosts names one box per address (donorkit.schema.box_identity)."""
+    of relayed hosts names one box per address (donorkit.values.box_identity)."""
 
     def __init__(self, targets: dict[str, tuple[str, int]], delay_s: float) -> None:
         self.targets = targets
@@ -23,6 +23,7 @@ class Relay:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._servers: list[asyncio.Server] = []
 
     def __enter__(self) -> Relay:
         self._thread.start()
@@ -30,8 +31,20 @@ class Relay:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Every session cancelled and awaited, the listeners closed, then the loop: nothing is
+        left for the garbage collector to finalize on a closed loop."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for server in self._servers:
+            server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -39,6 +52,7 @@ class Relay:
             address = f"127.0.1.{index + 1}"
             server = self._loop.run_until_complete(asyncio.start_server(
                 lambda r, w, t=target: self._session(r, w, t), address, 0))
+            self._servers.append(server)
             self.addresses[name] = address
             self.ports[name] = server.sockets[0].getsockname()[1]
         self._ready.set()

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from donorkit.paths import REPO_ROOT
+
 BIN = Path(sys.executable).parent
 
 

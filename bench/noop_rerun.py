@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.noop_rerun [--hosts 4] [--rounds 5] [--baseline REV]
                                          [--modes ours,stock,before,floor]
+                                         [--networks loopback,rtt50] [--profile DIR]
 
 Brings up N testbed hosts with the rtx4090 profile (tests/testbed/hosts.py), converges them with
 the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
@@ -18,9 +19,13 @@ donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
 and prints min/median/max wall time, the ratios and remote commands per host (counted from
 pyinfra's --debug log). Every timed run must report zero changes, or the benchmark stops.
 
-Then the same over a 50 ms round trip. `tc netem` is what the issue asks for, but this machine's
-kernel has no sch_netem ("Specified qdisc kind is unknown"), so a userspace relay on this machine
-(bench/latency_relay.py) delays every chunk 25 ms each way between pyinfra and each host's sshd.
+`--profile DIR` also runs ours once more at 1 host and at all hosts under cProfile (the
+controller's process) and prints where its time goes (DIR/noop-1.prof, DIR/noop-N.prof).
+
+Then the same over a 50 ms round trip (`--networks loopback` leaves it out). `tc netem` is what
+the issue asks for, but this machine's kernel has no sch_netem ("Specified qdisc kind is
+unknown"), so a userspace relay on this machine (bench/latency_relay.py) delays every chunk
+25 ms each way between pyinfra and each host's sshd.
 
 On CI-class machines (2 cores) the controller and the test hosts share the CPUs: the all-hosts
 figure includes that contention. Each line also gives the median CPU seconds of pyinfra's own
@@ -44,9 +49,9 @@ from pathlib import Path
 import yaml
 
 from bench.latency_relay import Relay
+from donorkit.paths import REPO_ROOT
 from tests.testbed import hosts as bed
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
@@ -77,6 +82,7 @@ def donors_file(names: list[tuple[str, str]], path: Path,
             entry.update(ssh_host=relays[name][0], ssh_port=relays[name][1],
                          ssh_known_hosts_file=str(WORK / "known_hosts.relayed"))
         doc["donors"][name] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no .testbed/ yet
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -97,7 +103,8 @@ def children_cpu_s() -> float:
 
 
 def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None = None,
-           debug: bool = False) -> tuple[float, dict, str, dict[str, float]]:
+           debug: bool = False, profile: Path | None = None
+           ) -> tuple[float, dict, str, dict[str, float]]:
     """One pyinfra run: wall time, its JSON report, its log, and CPU seconds split into the
     controller (pyinfra's process) and the rest of the machine (the hosts' sshd and commands,
     and over 50 ms the relay), which here share the same cores."""
@@ -105,8 +112,9 @@ def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None 
     cwd = REPO_ROOT if mode != "before" else baseline
     inventory = str(REPO_ROOT / "bench/stock_inventory.py") if mode == "stock" else (
         "inventory/gpus.py")
-    args = [str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []), *extra,
-            inventory, "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
+    profiler = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else []
+    args = [*profiler, str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []),
+            *extra, inventory, "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
     started, busy, controller = time.perf_counter(), busy_cpu_s(), children_cpu_s()
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
@@ -183,6 +191,21 @@ def measure(donors: Path, names: list[str], rounds: int, label: str, modes: list
     return results
 
 
+def profile(donors: Path, names: list[str], where: Path) -> None:
+    """One no-op run of ours under cProfile at 1 host and at all hosts: the top of the profile."""
+    import pstats
+
+    where.mkdir(parents=True, exist_ok=True)
+    for scope, extra in (("1", ["--limit", names[0]]), (str(len(names)), [])):
+        out = where / f"noop-{scope}.prof"
+        elapsed, report, _, _ = deploy(donors, *extra, profile=out)
+        print(f"profile, {scope} host(s): {elapsed:.2f} s under cProfile ({changes(report)} "
+              f"changes), {out}")
+        stats = pstats.Stats(str(out))
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(20)
+
+
 def baseline_worktree(rev: str) -> Path:
     path = WORK / "baseline"
     subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT,
@@ -201,7 +224,12 @@ def main() -> int:
                         help="git ref of the deploy timed as 'before' ('' to skip (c))")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of the modes to time (ours is always timed)")
+    parser.add_argument("--networks", default="loopback,rtt50",
+                        help="comma list: loopback, rtt50 (a 50 ms round trip through a relay)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="also profile one no-op run of ours at 1 and at all hosts")
     args = parser.parse_args()
+    networks = set(args.networks.split(","))
     names = [("tb-4090", "10.213.0.11")] + [(f"tb-bench{i}", f"10.213.0.{20 + i}")
                                            for i in range(2, args.hosts + 1)]
     wanted = set(args.modes.split(",")) - ({"before"} if not args.baseline else set())
@@ -210,20 +238,29 @@ def main() -> int:
     donors = donors_file(names, WORK / "bench-donors.yml")
     try:
         with bed.testbed(names) as started:
-            elapsed, report, _, _ = deploy(donors)
-            print(f"converged {len(started)} hosts in {elapsed:.0f} s ({changes(report)} changes)")
-            local = measure(donors, [n for n, _ in names], args.rounds, "loopback network",
-                            modes, baseline)
-            with Relay({n: (ip, 22) for n, ip in names}, delay_s=0.025) as relay:
-                known = (WORK / "known_hosts").read_text()
-                for name, ip in names:
-                    known = known.replace(
-                        f"{ip} ", f"[{relay.addresses[name]}]:{relay.ports[name]} ")
-                (WORK / "known_hosts.relayed").write_text(known)
-                relayed = donors_file(names, WORK / "bench-donors-relayed.yml",
-                                      {n: (relay.addresses[n], relay.ports[n]) for n, _ in names})
-                slow = measure(relayed, [n for n, _ in names], args.rounds, "50 ms round trip",
-                               modes, baseline)
+            # The first host alone, then the others: they find the wheels in the shared uv cache
+            # (at once, each host would download and unpack its own copy: ~7.5 GB each).
+            first, report, _, _ = deploy(donors, "--limit", names[0][0])
+            elapsed, rest, _, _ = deploy(donors)
+            print(f"converged {len(started)} hosts in {first + elapsed:.0f} s "
+                  f"({changes(report) + changes(rest)} changes)")
+            local = slow = None
+            if args.profile:
+                profile(donors, [n for n, _ in names], args.profile)
+            if "loopback" in networks:
+                local = measure(donors, [n for n, _ in names], args.rounds, "loopback network",
+                                modes, baseline)
+            if "rtt50" in networks:
+                with Relay({n: (ip, 22) for n, ip in names}, delay_s=0.025) as relay:
+                    known = (WORK / "known_hosts").read_text()
+                    for name, ip in names:
+                        known = known.replace(
+                            f"{ip} ", f"[{relay.addresses[name]}]:{relay.ports[name]} ")
+                    (WORK / "known_hosts.relayed").write_text(known)
+                    through = {n: (relay.addresses[n], relay.ports[n]) for n, _ in names}
+                    relayed = donors_file(names, WORK / "bench-donors-relayed.yml", through)
+                    slow = measure(relayed, [n for n, _ in names], args.rounds, "50 ms round trip",
+                                   modes, baseline)
     finally:
         if baseline:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)],

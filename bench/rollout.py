@@ -26,13 +26,12 @@ from pathlib import Path
 
 import yaml
 
-from donorkit.paths import pki_dir
+from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.rollout import Box, load_boxes
+from donorkit.rollout_plan import Box, load_boxes
 from tests.testbed import hosts as bed
 from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"

@@ -1,6 +1,7 @@
 """Acceptance of donors (`make accept [LIMIT=host]`): what each box delivers, measured through its
 public hostname with the OpenAI Python client (what the network's users run), recorded, and
-compared with its card's baseline.
+compared with its card's baseline. This module measures and is the command line; what does not
+touch the network (targets, tool cases, the record, the comparison) is donorkit/acceptance.py.
 
 Per donor and model identity it serves (the first public hostname routed to it):
 - `/v1/models` lists the checkpoint with the configured `max_model_len`; `/version`;
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import secrets
 import ssl
@@ -41,241 +41,33 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx2
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
-from donorkit.paths import pki_dir
-from donorkit.pki import OPERATOR_CLIENT, PkiError
-from donorkit.render import pki_for
-from donorkit.schema import (
-    AcceptanceSettings,
-    Baseline,
-    CardAcceptance,
-    Workload,
+from donorkit.acceptance import (
+    TOOL_CASES,
+    TOOL_CHOICE_FLAG,
+    TOOLS,
+    ModelResults,
+    Record,
+    Target,
+    ToolCase,
+    check_tool_call,
+    compare,
+    failures,
+    forced_call_text,
+    new_record,
+    summary_table,
+    targets_from_fleet,
 )
-
-RECORD_VERSION = 1
-
-# ------------------------------------------------------------------ data ----------------------
-
-
-# Figures with a baseline, and which way is better.
-FIGURES: dict[str, Literal["higher", "lower"]] = {
-    "prefill_tok_s": "higher", "decode_tok_s": "higher",
-    "ttft_s": "lower", "concurrent_wall_s": "lower",
-}
-
-# ------------------------------------------------------------------ tool-call cases -----------
-
-
-# vLLM answers a tools request only where the model is served with this flag (and a parser).
-TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
-
-
-def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
-
-
-TOOLS = [
-    _tool("get_weather", "Current weather for a city.",
-          {"city": {"type": "string"},
-           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ["city"]),
-    _tool("convert_currency", "Convert an amount between currencies (ISO 4217 codes).",
-          {"amount": {"type": "number"}, "from_currency": {"type": "string"},
-           "to_currency": {"type": "string"}}, ["amount", "from_currency", "to_currency"]),
-    _tool("set_timer", "Start a countdown timer.",
-          {"minutes": {"type": "integer"}, "label": {"type": "string"}}, ["minutes"]),
-    _tool("search_web", "Search the web.",
-          {"query": {"type": "string"}, "max_results": {"type": "integer"}}, ["query"]),
-    _tool("send_email", "Send an email.",
-          {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
-          ["to", "subject", "body"]),
-    _tool("create_calendar_event", "Create a calendar event.",
-          {"title": {"type": "string"}, "date": {"type": "string", "description": "YYYY-MM-DD"},
-           "time": {"type": "string", "description": "HH:MM, 24-hour"}}, ["title", "date", "time"]),
-]
-
-
-@dataclass(frozen=True)
-class ToolCase:
-    name: str
-    prompt: str
-    function: str
-    arguments: dict
-
-
-TOOL_CASES = [
-    ToolCase("weather", "What's the weather in Paris right now? Use celsius.", "get_weather",
-             {"city": "Paris", "unit": "celsius"}),
-    ToolCase("currency", "Convert 250 US dollars to euros.", "convert_currency",
-             {"amount": 250, "from_currency": "USD", "to_currency": "EUR"}),
-    ToolCase("timer", "Set a 15 minute timer labelled tea.", "set_timer",
-             {"minutes": 15, "label": "tea"}),
-    ToolCase("search", "Search the web for 'vLLM prefix caching' and give me 3 results.",
-             "search_web", {"query": "vLLM prefix caching", "max_results": 3}),
-    ToolCase("email", "Email bob@example.com with subject 'Lunch' and body 'Noon at the cafe?'",
-             "send_email", {"to": "bob@example.com", "subject": "Lunch",
-                            "body": "Noon at the cafe?"}),
-    ToolCase("calendar", "Put 'Dentist' in my calendar on 2026-12-03 at 14:30.",
-             "create_calendar_event", {"title": "Dentist", "date": "2026-12-03", "time": "14:30"}),
-]
-
-
-def _same(expected: Any, got: Any) -> bool:
-    if isinstance(expected, bool) or isinstance(got, bool):
-        return expected is got
-    if isinstance(expected, int | float) and isinstance(got, int | float):
-        return float(expected) == float(got)
-    if isinstance(expected, str) and isinstance(got, str):
-        return expected.strip().rstrip(".").casefold() == got.strip().rstrip(".").casefold()
-    return expected == got
-
-
-def check_tool_call(case: ToolCase, calls: list[tuple[str, str]]) -> str | None:
-    """None when `calls` ([(function name, arguments JSON)]) is one well-formed call of the
-    case's function with its arguments (strings compared without case or a trailing dot;
-    numbers by value; no argument the function does not declare); else what is wrong."""
-    if len(calls) != 1:
-        return f"expected 1 tool call, got {len(calls)}"
-    name, raw = calls[0]
-    if name != case.function:
-        return f"called {name!r}, expected {case.function!r}"
-    try:
-        args = json.loads(raw)
-    except (TypeError, ValueError):
-        return f"arguments are not JSON: {str(raw)[:80]!r}"
-    if not isinstance(args, dict):
-        return f"arguments are not an object: {str(raw)[:80]!r}"
-    declared = next(t["function"]["parameters"]["properties"] for t in TOOLS
-                    if t["function"]["name"] == case.function)
-    unknown = sorted(set(args) - set(declared))
-    if unknown:
-        return f"undeclared arguments {unknown}"
-    for key, want in case.arguments.items():
-        if key not in args:
-            return f"argument {key!r} missing"
-        if not _same(want, args[key]):
-            return f"argument {key!r} = {args[key]!r}, expected {want!r}"
-    return None
-
-
-def forced_call_text(case: ToolCase) -> str:
-    """The Hermes-format text of the case's expected call (what the model should write)."""
-    return ("<tool_call>\n" + json.dumps({"name": case.function, "arguments": case.arguments})
-            + "\n</tool_call>")
-
-# ------------------------------------------------------------------ targets -------------------
-
-
-@dataclass
-class Target:
-    """One model identity on one donor, as reached through a public hostname."""
-
-    donor: str
-    card: str
-    model: str                  # model identity (qwen, hermes)
-    checkpoint: str             # what /v1/models must list
-    max_model_len: int
-    hostname: str               # the public hostname (Host header and TLS server name)
-    base_url: str               # where the client connects, without /v1
-    ca_file: str | None         # verify TLS against this bundle (None: the system's)
-    workload: Workload
-    card_acceptance: CardAcceptance
-    tolerance: float
-    stack: dict = field(default_factory=dict)   # pinned versions from the inventory
-    client: tuple[str, str] | None = None       # client certificate and key presented, if any
-    route: str = ""                             # which way the requests go, and why
-    tool_calls: bool = True     # the model's flags enable tool calling (--enable-auto-tool-choice)
-
-
-def _connect_url(hostname: str, port: int) -> str:
-    return f"https://{hostname}" + ("" if port == 443 else f":{port}")
-
-
-# OPERATOR_CLIENT (donorkit/pki.py): the operator's own client certificate, under
-# pki_dir/edges/; a donor's Caddy answers only the current edges' and this one, and gives
-# /metrics to this one only.
-
-
-def _edge_route(edges: dict[str, dict], donor: str, hostname: str) -> tuple[dict | None, str]:
-    """The edge to measure `donor` through for `hostname`, or None, and why. Through an edge only
-    when its site for the hostname has this donor alone (else its load balancer spreads the run
-    over other donors, maybe of other cards, and the record would not be this donor's) and no
-    rate limit (the seed's 3 events per second per client would refuse the concurrent prompts)."""
-    why = "no edge serves it"
-    for name, edge in sorted(edges.items()):
-        site = next((s for s in edge["sites"] if s["hostname"] == hostname), None)
-        if site is None:
-            continue
-        pool = [u["donor"] for u in site["upstreams"]]
-        if pool != [donor]:
-            why = f"edge {name} spreads it over {len(pool)} donors ({', '.join(pool)})"
-        elif edge["rate_limit"]:
-            why = f"edge {name} rate-limits it ({edge['rate_limit']['events']} per " \
-                  f"{edge['rate_limit']['window']})"
-        else:
-            return edge, f"through edge {name} (this donor is its only upstream for {hostname})"
-    return None, why
-
-
-def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
-                       edges: dict[str, dict] | None = None) -> list[Target]:
-    """One Target per donor and model identity (its first hostname in sorted order), always
-    with the hostname as TLS server name and Host. With `via` (a base URL), the client goes
-    there. Else through an edge serving the hostname where that measures this donor alone
-    (_edge_route), verified against our CA when the edge's public TLS is ours; else to the
-    donor's own GPU-side Caddy (ssh_host, caddy_https_port), verified against our CA,
-    presenting the operator's client certificate from the client CA (OPERATOR_CLIENT)."""
-    targets = []
-    for name, data in fleet.items():
-        settings = AcceptanceSettings.model_validate(data["acceptance"])
-        card = data["card"]
-        card_acc = CardAcceptance.model_validate(card.get("acceptance", {}))
-        workload = settings.workload.model_copy(
-            update=card_acc.workload.model_dump(exclude_none=True))
-        seen = set()
-        for route in data["routes"]:
-            model = data["models"][route["model"]]
-            if route["model"] in seen:
-                continue
-            seen.add(route["model"])
-            ca = pki_dir(data) / "ca.crt"
-            client, edge = None, None
-            if via:
-                base, ca_file, route_note = via.rstrip("/"), None, f"through {via} (--via)"
-            else:
-                edge, route_note = _edge_route(edges or {}, name, route["hostname"])
-            if edge:
-                address = edge["ssh_hostname"]
-                address = f"[{address}]" if ":" in address else address
-                base = f"https://{address}:{edge['edge_https_port']}"
-                ca_file = str(ca) if edge["public_tls"] == "private_ca" else None
-            elif not via:
-                base = f"https://{data['ssh_hostname']}:{data['caddy_https_port']}"
-                ca_file = str(ca)
-                pair = pki_for(data).client_pair(OPERATOR_CLIENT)
-                client = (str(pair[0]), str(pair[1]))
-                route_note = (f"to the donor's Caddy with client certificate {OPERATOR_CLIENT} "
-                              f"({route_note})")
-            targets.append(Target(
-                donor=name, card=card["name"], model=route["model"],
-                checkpoint=model["checkpoint"], max_model_len=model["max_model_len"],
-                hostname=route["hostname"], base_url=base, ca_file=ca_file, workload=workload,
-                card_acceptance=card_acc, tolerance=settings.tolerance,
-                stack={k: data[k] for k in ("vllm_version", "torch_version") if k in data},
-                client=client, route=route_note,
-                tool_calls=TOOL_CHOICE_FLAG in model["args"]))
-    return targets
-
-# ------------------------------------------------------------------ measuring -----------------
+from donorkit.fleet import FleetError, load_inventory
+from donorkit.paths import REPO_ROOT
+from donorkit.pki import PkiError
+from donorkit.transport import client_context
 
 
 def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
@@ -289,9 +81,7 @@ def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
                            "private CA; or give --via for an edge)")
     verify: ssl.SSLContext | bool = True
     if url.scheme == "https":
-        verify = ssl.create_default_context(cafile=target.ca_file)
-        if target.client:
-            verify.load_cert_chain(*target.client)
+        verify = client_context(target.ca_file, target.client)
     sni = target.hostname if url.host != target.hostname else None
 
     class PublicName(httpx2.AsyncHTTPTransport):
@@ -444,104 +234,6 @@ async def measure(target: Target, progress: Callable[[str], None]) -> dict:
                 "ok": all(c["ok"] for c in forced), "required": True, "cases": forced}
     return out
 
-# ------------------------------------------------------------------ the record ----------------
-
-
-class Loose(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CheckRecord(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    ok: bool
-    required: bool
-
-
-class Comparison(Loose):
-    value: float | None
-    baseline: float
-    limit: float
-    better: Literal["higher", "lower"]
-    ok: bool
-
-
-class ModelResults(Loose):
-    """One model identity's results; either measured (figures, checks, ...) or an error."""
-
-    error: str | None = None
-    figures: dict[Literal["ttft_s", "decode_tok_s", "prefill_tok_s", "concurrent_wall_s",
-                          "tool_calls_ok"], float | None] | None = None
-    checks: dict[str, CheckRecord] | None = None
-    details: dict[str, Any] | None = None
-    figures_compared: bool | None = None
-    comparison: dict[str, Comparison] | None = None
-    elapsed_s: float
-
-
-class Policy(Loose):
-    compare_figures: bool
-    tool_calls_required: bool
-    tolerance: float
-    reason: str
-    baseline: dict[str, float | str]
-
-
-class Record(Loose):
-    """One donor's acceptance run, as written under the results folder."""
-
-    record_version: Literal[1]
-    donor: str
-    card: str
-    started: datetime
-    via: str
-    route: str = ""             # which way the requests went, and why
-    stack: dict[str, str]
-    policy: Policy
-    workload: Workload
-    results: dict[str, ModelResults]
-    path: str | None = None
-
-
-# ------------------------------------------------------------------ comparing -----------------
-
-
-def compare(figures: dict, baseline: Baseline, tolerance: float) -> dict:
-    """{figure: {value, baseline, limit, ok}} for every figure the baseline has."""
-    result = {}
-    for name, better in FIGURES.items():
-        reference = getattr(baseline, name)
-        value = figures.get(name)
-        if reference is None:
-            continue
-        limit = reference * (1 - tolerance) if better == "higher" else reference * (1 + tolerance)
-        ok = value is not None and (value >= limit if better == "higher" else value <= limit)
-        result[name] = {"value": value, "baseline": reference, "limit": limit, "better": better,
-                        "ok": ok}
-    return result
-
-
-def failures(record: dict) -> list[str]:
-    """What makes this record a failed acceptance, each naming the figure or check."""
-    if record.get("error"):
-        return [f"{record['donor']}: {record['error']}"]
-    out = []
-    for model, res in record["results"].items():
-        where = f"{record['donor']} {model}"
-        if res.get("error"):
-            out.append(f"{where}: {res['error']}")
-            continue
-        for name, check in res["checks"].items():
-            if check["required"] and not check["ok"]:
-                out.append(f"{where}: check {name} failed")
-        for name, cmp in res.get("comparison", {}).items():
-            if not cmp["ok"]:
-                sign = ">=" if cmp["better"] == "higher" else "<="
-                value = "none" if cmp["value"] is None else f"{cmp['value']:.3g}"
-                out.append(f"{where}: {name} {value}, needs {sign} {cmp['limit']:.3g} "
-                           f"(baseline {cmp['baseline']:.3g})")
-    return out
-
-
 async def accept_target(target: Target, progress: Callable[[str], None]) -> dict:
     acc = target.card_acceptance
     try:
@@ -554,55 +246,14 @@ async def accept_target(target: Target, progress: Callable[[str], None]) -> dict
     return res
 
 
-def new_record(target: Target, started: datetime) -> dict:
-    acc = target.card_acceptance
-    return {
-        "record_version": RECORD_VERSION,
-        "donor": target.donor, "card": target.card,
-        "started": started.isoformat(timespec="seconds"),
-        "via": target.base_url,
-        "route": target.route,
-        "stack": dict(target.stack),
-        "policy": {"compare_figures": acc.compare_figures,
-                   "tool_calls_required": acc.tool_calls_required,
-                   "tolerance": target.tolerance, "reason": acc.reason,
-                   "baseline": acc.baseline.model_dump(exclude_none=True)},
-        "workload": target.workload.model_dump(),
-        "results": {},
-    }
-
-
-def summary_table(records: list[dict]) -> str:
-    cols = ["donor", "model", "card", "vllm", "ttft s", "decode t/s", "prefill t/s",
-            "conc wall s", "tools", "result"]
-    rows = []
-    for rec in records:
-        for model, res in rec["results"].items() or [("-", {"error": rec.get("error")})]:
-            f = res.get("figures", {})
-            fidelity = res.get("checks", {}).get("tool_call_fidelity", {})
-
-            def fmt(v: Any, spec: str = ".3g") -> str:
-                return "-" if v is None else format(v, spec)
-            rows.append([rec["donor"], model, rec["card"],
-                         str(res.get("details", {}).get("version", {}).get("version", "-")),
-                         fmt(f.get("ttft_s")), fmt(f.get("decode_tok_s")),
-                         fmt(f.get("prefill_tok_s")), fmt(f.get("concurrent_wall_s")),
-                         f"{fidelity['passed']}/{fidelity['of']}" if fidelity else "-",
-                         "FAIL" if failures({**rec, "results": {model: res}}) else "pass"])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
-              for i, c in enumerate(cols)]
-    line = lambda r: "  ".join(v.ljust(widths[i]) for i, v in enumerate(r))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, rows)])
-
-
 async def run(targets: list[Target], results_dir: Path,
-              progress: Callable[[str], None] | None = None) -> list[dict]:
+              progress: Callable[[str], None] | None = None) -> list[Record]:
     """Accept every target (donor by donor: the figures of one box are not shared with another's
     load); write one record per donor; return the records."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
-    records: dict[str, dict] = {}
+    records: dict[str, Record] = {}
     for target in targets:
-        started = datetime.now(timezone.utc)
+        started = datetime.now(timezone.utc).replace(microsecond=0)
         record = records.setdefault(target.donor, new_record(target, started))
         t0 = time.monotonic()
         if target.route:
@@ -611,16 +262,16 @@ async def run(targets: list[Target], results_dir: Path,
         res = await accept_target(
             target, lambda text, t=target, t0=t0: say(f"[{t.donor} {t.model} "
                                                       f"{time.monotonic() - t0:5.1f}s] {text}"))
-        res["elapsed_s"] = time.monotonic() - t0
-        record["results"][target.model] = res
-        say(f"[{target.donor} {target.model}] done in {res['elapsed_s']:.1f} s"
-            + (f": {res['error']}" if res.get("error") else ""))
+        result = ModelResults.model_validate({**res, "elapsed_s": time.monotonic() - t0})
+        record.results[target.model] = result
+        say(f"[{target.donor} {target.model}] done in {result.elapsed_s:.1f} s"
+            + (f": {result.error}" if result.error else ""))
     results_dir.mkdir(parents=True, exist_ok=True)
     for rec in records.values():
-        stamp = rec["started"].replace(":", "").replace("+0000", "Z")
-        path = results_dir / f"{rec['donor']}-{stamp}.json"
-        path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
-        rec["path"] = str(path)
+        stamp = rec.started.strftime("%Y-%m-%dT%H%M%SZ")
+        path = results_dir / f"{rec.donor}-{stamp}.json"
+        path.write_text(rec.model_dump_json(indent=2, exclude={"path"}) + "\n")
+        rec.path = str(path)
     return list(records.values())
 
 
@@ -655,10 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(records))
     problems = [p for rec in records for p in failures(rec)]
     for rec in records:
-        print(f"record: {rec['path']}")
-        reason = rec["policy"]["reason"]
-        if reason:
-            print(f"  {rec['donor']} ({rec['card']}): {reason}")
+        print(f"record: {rec.path}")
+        if rec.policy.reason:
+            print(f"  {rec.donor} ({rec.card}): {rec.policy.reason}")
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
     return 1 if problems else 0

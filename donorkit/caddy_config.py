@@ -6,9 +6,11 @@ Called from tasks/caddy.py and tasks/edge_caddy.py with what each renders."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from donorkit.render import CADDY_DROP_IN, CADDYFILE, RenderedFile
-from pyinfra_snapshot.operations import config_file, directories, owned_file, reloaded_service
+from pyinfra_declared.files import ConfigFile, config_files, directories, owned_file
+from pyinfra_declared.services import reloaded_service
 
 
 def caddy_config(files: Iterable[RenderedFile], install_root: str, tls_dir: str,
@@ -21,9 +23,11 @@ def caddy_config(files: Iterable[RenderedFile], install_root: str, tls_dir: str,
     # out.
     owned_file(name="Create the access log", path=access_log, user="caddy", group="caddy",
                mode="640")
-    for rendered in files:
-        config_file(
-            name=f"Install {rendered.path}",
+    # One operation for all of them, the Caddyfile last: its validation reads the TLS files.
+    ordered = sorted(files, key=lambda rendered: rendered.path == CADDYFILE)
+    config_files(
+        name=f"Install Caddy's files ({', '.join(Path(r.path).name for r in ordered)})",
+        files=[ConfigFile(
             content=rendered.content,
             dest=rendered.path,
             mode=rendered.mode,
@@ -32,7 +36,8 @@ def caddy_config(files: Iterable[RenderedFile], install_root: str, tls_dir: str,
             validate=("runuser -u caddy -- caddy validate --adapter caddyfile --config {path} "
                       ">/dev/null" if rendered.path == CADDYFILE else None),
             pending_marker=restart_marker if rendered.path == CADDY_DROP_IN else reload_marker,
-        )
+        ) for rendered in ordered],
+    )
     # After the Caddyfile: a Caddy restarted on the old config would still serve its admin API on
     # TCP, where `caddy reload` (which reads the new config's admin address) cannot reach it.
     reloaded_service(name="Restart Caddy on its new unit settings", unit="caddy",

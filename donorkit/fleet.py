@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from donorkit import pki, schema
+from donorkit import pki, schema, values
+from donorkit.host_data import CpuHostCard, CudaHostCard, host_card
 from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.pki import OPERATOR_CLIENT
 
@@ -99,7 +100,7 @@ def _field(loc: tuple) -> str:
         if item == "[key]":
             continue
         if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-", "literal[",
-                                                              "list[")):
+                                                              "list[", "engine=")):
             continue
         parts.append(label(item))
     return ".".join(parts)
@@ -117,7 +118,10 @@ def _problem(error: dict, model: type[BaseModel]) -> str:
     if kind == "extra_forbidden":
         if "unit_service" in error["loc"]:
             return ("not a setting unit_service may hold (its allow-list: UnitService in "
-                    "donorkit/schema.py)")
+                    "donorkit/unit_settings.py)")
+        engine = next((str(i)[7:] for i in error["loc"] if str(i).startswith("engine=")), None)
+        if engine:
+            return f"not a field of a card profile with engine {engine}"
         return "unknown field"
     if kind == "value_error":
         return error["msg"].removeprefix("Value error, ")
@@ -140,14 +144,14 @@ def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
         error = errors[0]
         field = _field(error["loc"])
         problem = _problem(error, model)
-        if error["type"] == "extra_forbidden" and known is not None:
+        if error["type"] == "extra_forbidden" and known is not None and "." not in field:
             problem += f" (known: {', '.join(sorted(known))})"
         raise FleetError(f"{where}: field '{prefix}{field}': {problem}") from None
 
 
 def _check_strings(doc: Any, path: Path) -> None:
-    """schema.check_strings on a whole file: one line naming the file, the host and the field."""
-    found = schema.check_strings(doc)
+    """values.check_strings on a whole file: one line naming the file, the host and the field."""
+    found = values.check_strings(doc)
     if not found:
         return
     where, problem = found
@@ -203,18 +207,17 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     if problem:
         raise FleetError(f"{where}: field '{problem[0]}': {problem[1]}")
     data = {k: v for k, v in merged.items() if k not in ("cards", "models")}
-    cards, models = merged["cards"], merged["models"]
-    card = dict(cards[donor.card], name=donor.card)
+    models = merged["models"]
+    card = host_card(donor.card, settings.cards[donor.card])
     served = sorted(set(donor.routes.values()))
-    cuda = card.get("cuda")
-    card["engine"] = card.get("engine", "cuda")
-    card["vllm_args"] = [str(a) for a in settings.cards[donor.card].vllm_args]
+    cuda = card.cuda if isinstance(card, CudaHostCard) else None
     data.update(
         donor_name=name,
         role="donor",
         card=card,
         cuda_version=cuda,
-        **driver_minimum(merged["cuda_driver_minimums"], cuda, card.get("vllm_variant")),
+        **driver_minimum(merged["cuda_driver_minimums"], cuda,
+                         card.vllm_variant if isinstance(card, CudaHostCard) else None),
         cuda_home=f"/usr/local/cuda-{cuda}" if cuda else None,
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}" if cuda else None,
         service_home=f"/home/{settings.service_user}",
@@ -346,7 +349,7 @@ def load_inventory(donors_path: Path | str | None = None,
                   else (str(defaults_path), ""))
         raise FleetError(f"{origin[0]}: field '{origin[1]}hf_token_file': {problem}")
     fleet: dict[str, dict] = {}
-    # One box, one entry: schema.box_identity's spelling, whatever the SSH port.
+    # One box, one entry: values.box_identity's spelling, whatever the SSH port.
     seen_addresses: dict[str, str] = {}
     for name, entry in inventory.donors.items():
         where = f"{donors_path}: donor '{label(name)}'"
@@ -359,7 +362,7 @@ def load_inventory(donors_path: Path | str | None = None,
             raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
         settings = schema.Defaults.model_validate(merged)
         data = _host_data(name, donor, merged, settings, where)
-        address = schema.box_identity(data["ssh_hostname"])
+        address = values.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
@@ -380,7 +383,7 @@ def load_inventory(donors_path: Path | str | None = None,
         edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         merged = _merged(file_wide, edge.overrides, where, "overrides")
         data = _edge_data(name, edge, merged, fleet, pools, where)
-        address = schema.box_identity(data["ssh_hostname"])
+        address = values.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
@@ -394,7 +397,7 @@ def load_inventory(donors_path: Path | str | None = None,
         for name, data in fleet.items():
             source = data["vllm_exl3_plugin"]
             # A cpu engine installs no plugin (deploy.py): its source is not needed.
-            if data["card"]["engine"] == "cuda" and "path" in source \
+            if data["card"].engine == "cuda" and "path" in source \
                     and not plugin_local_path(source).is_dir():
                 raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
                                  f"local path {plugin_local_path(source)} does not exist on "
@@ -424,17 +427,17 @@ def venv_install(data: dict) -> dict:
     (PyTorch's for that CUDA), as vLLM's variant install does; otherwise vllm and torch from the
     card's index (PyPI's default builds)."""
     card, version = data["card"], data["vllm_version"]
-    if card["engine"] == "cpu":
+    if isinstance(card, CpuHostCard):
         return cpu_venv_install(card)
-    variant = card.get("vllm_variant")
+    variant = card.vllm_variant
     tag = f"+{variant}" if variant else ""
     requirements = [f"vllm=={version}{tag}", f"torch=={data['torch_version']}{tag}",
                     *data["venv_build_packages"]]
-    extra = card["pip_extra_index_urls"]
+    extra = card.pip_extra_index_urls
     if variant:
         extra = [data["vllm_variant_index_url"].format(version=version, variant=variant), *extra]
-    strategy = card.get("pip_index_strategy")
-    index_args = ["--index-url", card["pip_index_url"],
+    strategy = card.pip_index_strategy
+    index_args = ["--index-url", card.pip_index_url,
                   *(arg for url in extra for arg in ("--extra-index-url", url)),
                   *(["--index-strategy", strategy] if strategy else []),
                   *trusted_host_args(card)]
@@ -442,28 +445,28 @@ def venv_install(data: dict) -> dict:
             "venv_index_args": index_args, "vllm_installed_version": f"{version}{tag}"}
 
 
-def trusted_host_args(card: dict) -> list[str]:
+def trusted_host_args(card: CudaHostCard | CpuHostCard) -> list[str]:
     """pip refuses an index or find-links page over plain http unless its host is trusted."""
-    return [arg for h in card.get("pip_trusted_hosts", []) for arg in ("--trusted-host", h)]
+    return [arg for h in card.pip_trusted_hosts for arg in ("--trusted-host", h)]
 
 
-def cpu_venv_install(card: dict) -> dict:
+def cpu_venv_install(card: CpuHostCard) -> dict:
     """A cpu engine's venv: its `packages` and every line of its pinned `requirements_file`,
     installed together with --no-deps (the file is the whole closure, minus what it says it
     leaves out); its find-links pages beside the index."""
-    path = repo_path(card["requirements_file"])
+    path = repo_path(card.requirements_file)
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise FleetError(f"card '{card['name']}': field 'requirements_file': cannot read "
+        raise FleetError(f"card '{card.name}': field 'requirements_file': cannot read "
                          f"{path}: {exc.strerror}") from None
     pinned = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    requirements = [*card["packages"], *pinned]
-    args = ["--no-deps", "--index-url", card["pip_index_url"],
-            *(arg for url in card["pip_extra_index_urls"] for arg in ("--extra-index-url", url)),
-            *(arg for url in card.get("pip_find_links", []) for arg in ("--find-links", url)),
+    requirements = [*card.packages, *pinned]
+    args = ["--no-deps", "--index-url", card.pip_index_url,
+            *(arg for url in card.pip_extra_index_urls for arg in ("--extra-index-url", url)),
+            *(arg for url in card.pip_find_links for arg in ("--find-links", url)),
             *trusted_host_args(card)]
     # What `vllm --version` and importlib.metadata report for distribution "vllm".
-    vllm = next((r for r in card["packages"] if r.split("==")[0] == "vllm"), "")
+    vllm = next((r for r in card.packages if r.split("==")[0] == "vllm"), "")
     return {"venv_requirements": requirements, "venv_install_specs": requirements,
             "venv_index_args": args, "vllm_installed_version": vllm.split("==")[-1]}

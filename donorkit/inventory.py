@@ -9,7 +9,7 @@ from typing import Any
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import pki_dir
 from donorkit.pki import Pki, PkiError
-from pyinfra_snapshot import ssh_socket
+from pyinfra_declared import ssh_socket
 
 
 def fleet_or_exit(donors_path: Path | str | None = None,
@@ -41,7 +41,7 @@ def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
                    ) -> dict[str, list[tuple[str, dict]]]:
     """`donors` (every GPU box) plus one group per card profile (e.g. `rtx4090`), and `edges`
     (the front doors; deploy.py gives them the edge's tasks only). Each host's SSH sockets get
-    pyinfra_snapshot.ssh_socket's options, through pyinfra's own `ssh_paramiko_connect_kwargs`
+    pyinfra_declared.ssh_socket's options, through pyinfra's own `ssh_paramiko_connect_kwargs`
     (`connect_kwargs` replaces them: the benchmark's stock run)."""
     if connect_kwargs is None:
         connect_kwargs = ssh_socket.connect_kwargs()
@@ -49,7 +49,7 @@ def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
     for name, fleet_data in fleet.items():
         data = {**fleet_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["donors"].append((name, data))
-        groups.setdefault(data["card"]["name"], []).append((name, data))
+        groups.setdefault(data["card"].name, []).append((name, data))
     for name, edge_data in (edges or {}).items():
         data = {**edge_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["edges"].append((name, data))

@@ -14,10 +14,14 @@ import jinja2
 
 from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.schema import caddy_duration
+from donorkit.values import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
+# The stamp of the plugin's shipped source tree (its digest; in the units' restart digest) and
+# the marker of a venv install under way: names on the boxes, kept as the first deploys made them.
+PLUGIN_TREE_STAMP = ".uncloseai-tree"
+VENV_BUSY_MARKER = ".uncloseai-installing"
 CADDYFILE = "/etc/caddy/Caddyfile"
 CADDY_DROP_IN = f"{UNIT_DIR}/caddy.service.d/uncloseai.conf"
 # {path} is the staged unit, named like the installed one (systemd-analyze reads the suffix).
@@ -49,7 +53,7 @@ def systemd_quote(text: str) -> str:
     """One word of a unit setting, exactly as given: inside double quotes systemd undoes C
     escapes, so `\\` and `"` are escaped; `%` is doubled (specifiers, expanded on the whole line
     before any quoting is read). Newlines and other control characters are refused by the schema
-    (donorkit/schema.py) and here."""
+    (donorkit/values.py) and here."""
     if any(unicodedata.category(c) == "Cc" for c in text):
         raise ValueError(f"control character in {text!r}: a unit word cannot carry it")
     if _PLAIN_WORD.fullmatch(text):
@@ -175,11 +179,21 @@ def cuda_paths(data: dict) -> dict[str, str]:
     }
 
 
+def hf_home(home: str) -> str:
+    """huggingface_hub's home for a user (HF_HOME): where the weights step runs the fetcher."""
+    return f"{home}/.cache/huggingface"
+
+
+def hub_cache(home: str) -> str:
+    """huggingface_hub's cache under a user's HF_HOME: the weights step fills it, the units'
+    vLLM reads it (HF_HUB_CACHE). The one place this path is spelt."""
+    return f"{hf_home(home)}/hub"
+
+
 def hub_environment(data: dict) -> dict[str, str]:
     """The weights are in the service user's cache before a unit starts (tasks/weights.py):
     vLLM reads them there and never asks the hub, so a restart never waits on it."""
-    return {"HF_HUB_CACHE": f"{data['service_home']}/.cache/huggingface/hub",
-            "HF_HUB_OFFLINE": "1"}
+    return {"HF_HUB_CACHE": hub_cache(data["service_home"]), "HF_HUB_OFFLINE": "1"}
 
 
 def unit_environment(data: dict, model: dict) -> dict[str, str]:
@@ -200,7 +214,7 @@ def exec_start(data: dict, model: dict) -> list[str]:
     return [data["vllm_executable"], "serve", model["checkpoint"],
             "--host", "127.0.0.1", "--port", str(model["port"]),
             "--max-model-len", str(model["max_model_len"]), *pinned_revision(model),
-            *map(str, model["args"]), *map(str, data["card"]["vllm_args"])]
+            *map(str, model["args"]), *map(str, data["card"].vllm_args)]
 
 
 def render_unit(data: dict, model: dict) -> str:

@@ -36,6 +36,9 @@ since when), so a second driver, from this machine or another, is refused with o
 the holder; the driver removes its locks when it ends, however it ends. A lock left by a driver
 that died (its machine lost power) is cleared with `make rollout UNLOCK=1` (`--unlock`).
 
+The plan, the edges' view of a box and the lock's commands are donorkit/rollout_plan.py (no
+connection there); this module drives them and is the command line.
+
 `--plan` (`make rollout PLAN=1`) prints the batches, which box leaves which edge's pools in which
 batch, and which hostname runs on one box meanwhile, from the inventory alone: no connection.
 """
@@ -43,278 +46,62 @@ batch, and which hostname runs on one box meanwhile, from the inventory alone: n
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import getpass
 import http.client
 import json
 import os
-import runpy
-import secrets
 import shlex
-import socket
-import ssl
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from donorkit import schema
-from donorkit.paths import pki_dir
+from donorkit.paths import REPO_ROOT
 from donorkit.render import drain_flag
+from donorkit.rollout_plan import (
+    Box,
+    Edge,
+    RolloutLocked,
+    edge_sees,
+    health_events,
+    inventory_hosts,
+    lock_command,
+    lock_path,
+    new_holder,
+    plan_batches,
+    plan_text,
+    unlock_command,
+    upstream_requests,
+)
+from donorkit.transport import SshRunner, ca_file, edge_client_pair, https_get, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_INVENTORY = "inventory/gpus.py"
 
 
-@dataclass
-class Box:
-    name: str
-    data: dict
-
-    @property
-    def routes(self) -> dict[str, str]:
-        """Public hostname -> the checkpoint served under it."""
-        models = self.data["models"]
-        return {r["hostname"]: models[r["model"]]["checkpoint"] for r in self.data["routes"]}
-
-
-@dataclass
-class Edge:
-    name: str
-    data: dict
-
-    def pool_of(self, box: Box) -> list[str]:
-        """The upstream addresses (host:port, as the edge's Caddy logs them) under which this
-        edge proxies to `box`: one per hostname it serves that the box routes."""
-        return sorted({u["address"] for site in self.data["sites"] for u in site["upstreams"]
-                       if u["donor"] == box.name})
-
-    @property
-    def health_wait(self) -> float:
-        """Seconds in which every active health checker of the edge has checked once."""
-        proxy = self.data["edge_proxy"]
-        return seconds(proxy["health_interval"]) + seconds(proxy["health_timeout"])
-
-
-# A Caddy duration of the inventory (`2s`, `250ms`, `1m30s`) in seconds: the schema's own parser.
-seconds = schema.duration_seconds
-
-
-def load_fleet(inventory: str) -> tuple[list[Box], list[Edge]]:
-    """The inventory file's `donors` and `edges` groups, as pyinfra itself loads them (same
-    file, same data)."""
-    groups = runpy.run_path(str(REPO_ROOT / inventory))
-    return ([Box(name, data) for name, data in groups["donors"]],
-            [Edge(name, data) for name, data in groups.get("edges", [])])
-
-
-def load_boxes(inventory: str) -> list[Box]:
-    return load_fleet(inventory)[0]
-
-
-# --- the edge's view of a box -----------------------------------------------------------------
-HEALTH_LOGGER = "http.handlers.reverse_proxy.health_checker.active"
-
-
-def health_events(journal: str, address: str) -> list[tuple[float, bool]]:
-    """(time, up) of the edge's active health checker's lines about `address`, from Caddy's JSON
-    log (`journalctl -o cat`). Caddy 2.6.2 and 2.11.7 alike log "host is up" when a failing
-    upstream passes again, and one line per failed check ("unexpected status code", "HTTP
-    request failed", ...) at every interval while it fails; nothing while it stays healthy."""
-    events = []
-    for line in journal.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("logger") == HEALTH_LOGGER and entry.get("host") == address:
-            events.append((float(entry["ts"]), entry.get("msg") == "host is up"))
-    return events
-
-
-def edge_sees(events: list[tuple[float, bool]], since: float, now: float,
-              settle: float) -> str | None:
-    """"down" once a check failed after `since`; "up" once the last line after `since` is "host
-    is up" and `settle` seconds (every checker's turn) have passed since it with no failure;
-    None while neither can be said yet."""
-    after = [(at, up) for at, up in events if at > since]
-    if not after:
-        return None
-    at, up = after[-1]
-    if not up:
-        return "down"
-    return "up" if now - at >= settle else None
-
-
-def upstream_requests(upstreams_json: str, address: str) -> int | None:
-    """Requests the edge has in flight to `address` (its admin API's /reverse_proxy/upstreams,
-    the same shape on 2.6 and 2.11); None when the address is not in its pools."""
-    for upstream in json.loads(upstreams_json):
-        if upstream.get("address") == address:
-            return int(upstream.get("num_requests", 0))
-    return None
-
-
-class Remote:
-    """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
-    unknown or changed host key is refused; sudo for a user other than root)."""
-
-    def __init__(self, data: dict) -> None:
-        import paramiko
-
-        self._client = paramiko.SSHClient()
-        known = data.get("ssh_known_hosts_file")
-        if known:
-            self._client.load_host_keys(known)
-        else:
-            self._client.load_system_host_keys()
-        self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
-                             username=data["ssh_user"], key_filename=data.get("ssh_key"),
-                             timeout=30, banner_timeout=30, auth_timeout=30)
-        self._sudo = bool(data.get("_sudo"))
-
-    def run(self, command: str) -> tuple[int, str]:
-        if self._sudo:
-            command = f"sudo -n sh -c {shlex.quote(command)}"
-        _, stdout, stderr = self._client.exec_command(command, timeout=60)
-        out, err = stdout.read().decode(), stderr.read().decode()
-        rc = stdout.channel.recv_exit_status()
-        return rc, out if rc == 0 else (out + err).strip()
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def plan_batches(boxes: list[Box], size: int) -> list[list[Box]]:
-    """Inventory order; each box in the earliest batch that has room and shares no hostname."""
-    batches: list[list[Box]] = []
-    for box in boxes:
-        for batch in batches:
-            if len(batch) < size and not any(set(box.routes) & set(b.routes) for b in batch):
-                batch.append(box)
-                break
-        else:
-            batches.append([box])
-    return batches
-
-
-def plan_text(batches: list[list[Box]], edges: list[Edge],
-              serving: dict[str, list[Box]]) -> list[str]:
-    """What a rollout of `batches` would do, batch by batch: which box leaves which edge's pools
-    (its drain flag) and comes back, and what each of its hostnames runs on meanwhile."""
-    lines = []
-    for number, batch in enumerate(batches, 1):
-        lines.append(f"batch {number}/{len(batches)}: {', '.join(b.name for b in batch)}")
-        for box in batch:
-            pools = sorted({e.name for e in edges if e.pool_of(box)})
-            lines.append(f"  {box.name}: " + (
-                f"out of the pools of {', '.join(pools)}, deployed, back in them"
-                if pools else "in no edge's pool: deployed"))
-            for hostname in box.routes:
-                others = [o.name for o in serving[hostname] if o.name != box.name]
-                if not others:
-                    note = f"out of service while {box.name} restarts (no other box serves it)"
-                elif len(others) == 1:
-                    note = f"runs on one box, {others[0]}, while {box.name} restarts"
-                else:
-                    note = f"runs on {len(others)} boxes ({', '.join(others)})"
-                lines.append(f"    {hostname}: {note}")
-    return lines
-
-
-def lock_path(box: Box) -> str:
-    return f"{box.data['install_root']}/state/rollout.lock"
-
-
-def lock_command(path: str, holder: str) -> str:
-    """Take the lock directory `path` (mkdir is atomic) and write `holder` into it; when it is
-    there already, print its holder and exit 3."""
-    lock, state = shlex.quote(path), shlex.quote(str(Path(path).parent))
-    return (f"mkdir -p {state} && if mkdir {lock} 2>/dev/null; then "
-            f"printf '%s\\n' {shlex.quote(holder)} > {lock}/holder; else "
-            f"cat {lock}/holder 2>/dev/null || echo '(holder not written yet)'; exit 3; fi")
-
-
-def unlock_command(path: str, holder: str | None) -> str:
-    """Remove the lock `path`: only when `holder` holds it (None: whoever holds it, printing
-    `held by <holder>` when there was one)."""
-    lock = shlex.quote(path)
-    if holder is None:
-        return (f"if [ -d {lock} ]; then printf 'held by %s\\n' \"$(cat {lock}/holder "
-                f"2>/dev/null || echo '(no holder written)')\"; rm -rf {lock}; fi")
-    return (f"if [ \"$(head -n 1 {lock}/holder 2>/dev/null)\" = {shlex.quote(holder)} ]; "
-            f"then rm -rf {lock}; fi")
-
-
-def new_holder() -> str:
-    """Who holds the lock: user@machine, process id, start time (UTC) and a random token, so
-    a driver removes its own locks only."""
-    since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return (f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()} since {since} "
-            f"({secrets.token_hex(4)})")
-
-
-class RolloutLocked(Exception):
-    """Another rollout holds a box's lock; the message is the one line to print."""
-
-
-class PinnedHTTPS(http.client.HTTPSConnection):
-    """HTTPS to the box's address, with the public hostname as SNI and Host (as the edge does)."""
-
-    def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
-                 timeout: float):
-        super().__init__(hostname, port, context=context, timeout=timeout)
-        self._address = address
-
-    def connect(self) -> None:
-        raw = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
-
-
-def client_pair(box: Box, edge: str) -> tuple[str, str]:
-    """The edge's client certificate and key on this (the operator's) machine: what the edge
-    itself presents to the donor (tasks/edge_caddy.py uploads the same pair)."""
-    edges_dir = pki_dir(box.data) / "edges"
-    return str(edges_dir / f"{edge}.crt"), str(edges_dir / f"{edge}.key")
-
-
-def gpu_side_check(box: Box, hostname: str, checkpoint: str, client: tuple[str, str],
-                   timeout: float = 5) -> str | None:
+def gpu_side_check(box: Box, hostname: str, checkpoint: str,
+                   client: tuple[Path | str, Path | str], timeout: float = 5) -> str | None:
     """None when the box's Caddy lists `checkpoint` on /v1/models for `hostname`, asked as an
     edge asks it (its client certificate `client`); else why."""
-    ca = pki_dir(box.data) / "ca.crt"
-    context = ssl.create_default_context(cafile=str(ca))
-    context.load_cert_chain(*client)
-    conn = PinnedHTTPS(box.data["ssh_hostname"], int(box.data["caddy_https_port"]), hostname,
-                        context, timeout)
     try:
-        conn.request("GET", "/v1/models")
-        response = conn.getresponse()
-        body = response.read()
-        if response.status != 200:
-            return f"{hostname}: HTTP {response.status}"
+        status, body = https_get(box.data["ssh_hostname"], int(box.data["caddy_https_port"]),
+                                 hostname, "/v1/models", ca_file(box.data), client, timeout)
+        if status != 200:
+            return f"{hostname}: HTTP {status}"
         ids = [m.get("id") for m in json.loads(body).get("data", [])]
         return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
     except (OSError, ValueError, http.client.HTTPException) as e:
         return f"{hostname}: {type(e).__name__}: {e}"
-    finally:
-        conn.close()
 
 
-class Fleet:
+class RolloutHosts:
     """The boxes, the edges, and SSH connections to them opened when first needed."""
 
     def __init__(self, boxes: list[Box], edges: list[Edge]) -> None:
         self.boxes, self.edges = boxes, edges
-        self._remotes: dict[str, Remote] = {}
+        self._remotes: dict[str, SshRunner] = {}
 
-    def remote(self, host: Box | Edge) -> Remote:
+    def remote(self, host: Box | Edge) -> SshRunner:
         if host.name not in self._remotes:
-            self._remotes[host.name] = Remote(host.data)
+            self._remotes[host.name] = SshRunner(host.data)
         return self._remotes[host.name]
 
     def close(self) -> None:
@@ -376,7 +163,8 @@ class Fleet:
             edges = [e for e in self.edges
                      if any(s["hostname"] == hostname for s in e.data["sites"])]
             if edges:
-                why = gpu_side_check(box, hostname, checkpoint, client_pair(box, edges[0].name))
+                why = gpu_side_check(box, hostname, checkpoint,
+                                     edge_client_pair(box.data, edges[0].name))
             else:
                 why = self.loopback_check(box, hostname, checkpoint)
             if why:
@@ -401,12 +189,7 @@ class Fleet:
         return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
 
     def wait_in_service(self, box: Box, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            why = self.in_service(box)
-            if why is None or time.monotonic() > deadline:
-                return why
-            time.sleep(1)
+        return wait_until(lambda: self.in_service(box), timeout, interval=1)
 
     def take_out(self, box: Box, timeout: float) -> tuple[dict[str, float], str | None]:
         """Out of every edge pool it is in, with nothing in flight to it: ({edge: its clock
@@ -478,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pyinfra_args", nargs="*", help="after --: passed to pyinfra")
     args = parser.parse_args(argv)
 
-    boxes, edges = load_fleet(args.inventory)
+    boxes, edges = inventory_hosts(args.inventory)
     if not boxes:
         print("rollout: the inventory has no donors", file=sys.stderr)
         return 2
@@ -509,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan_text(batches, edges, serving)), flush=True)
         return 0
 
-    fleet = Fleet(boxes, edges)
+    fleet = RolloutHosts(boxes, edges)
     if args.unlock:
         return unlock_all(fleet)
     holder = new_holder()
@@ -548,7 +331,7 @@ def stopped_at(args) -> str:
             f"  resume with: {resume_command(args, at[0])}")
 
 
-def unlock_all(fleet: Fleet) -> int:
+def unlock_all(fleet: RolloutHosts) -> int:
     """--unlock: remove every donor's rollout lock, saying whose it was; 1 if a box could not
     be asked."""
     failed = 0
@@ -568,7 +351,7 @@ def unlock_all(fleet: Fleet) -> int:
     return 1 if failed else 0
 
 
-def run_batches(args, fleet: Fleet, batches: list[list[Box]], serving: dict[str, list[Box]],
+def run_batches(args, fleet: RolloutHosts, batches: list[list[Box]], serving: dict[str, list[Box]],
                 timeout: float) -> int:
     done: list[tuple[str, float]] = []
     began = time.monotonic()

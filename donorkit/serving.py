@@ -12,16 +12,12 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, StringCommand
 
-from pyinfra_snapshot.operation import fail, operation
-from pyinfra_snapshot.snapshot import need
+from donorkit.render import hf_home
+from pyinfra_declared.decorator import fail, operation
+from pyinfra_declared.snapshot import need
 
 q = shlex.quote
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def hub_cache(home: str) -> str:
-    """huggingface_hub's default cache for a user (what the unit's vLLM reads)."""
-    return f"{home}/.cache/huggingface/hub"
 
 
 def hf_token_path(install_root: str) -> str:
@@ -47,7 +43,8 @@ class WeightsComplete(FactBase):
 
     def command(self, python: str, script: str, repo: str, revision: str, cache_dir: str,
                 manifests: str) -> str:
-        return (f"[ -x {q(python)} ] && [ -f {q(script)} ] && {q(python)} {q(script)} --check "
+        # -S: no site-packages (the check is the standard library's only): a quicker start.
+        return (f"[ -x {q(python)} ] && [ -f {q(script)} ] && {q(python)} -S {q(script)} --check "
                 f"--repo {q(repo)} --revision {q(revision)} --cache-dir {q(cache_dir)} "
                 f"--manifest-dir {q(manifests)} 2>/dev/null || true")
 
@@ -106,7 +103,7 @@ def model_weights(model: str, repo: str, revision: str | None, python: str, scri
         return
     # From /, with the service user's own HOME: nothing of root's is looked at.
     command = (f"cd / && runuser -u {q(service_user)} -- env HOME={q(home)} "
-               f"HF_HOME={q(home + '/.cache/huggingface')} {q(python)} {q(script)} "
+               f"HF_HOME={q(hf_home(home))} {q(python)} {q(script)} "
                f"--repo {q(repo)} --revision {q(revision)} --cache-dir {q(cache_dir)} "
                f"--manifest-dir {q(manifests)} --endpoint {q(endpoint)}")
     if token_file:

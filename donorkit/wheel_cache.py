@@ -30,7 +30,7 @@ from pathlib import Path
 from pyinfra.api import FactBase
 
 from donorkit.paths import repo_path
-from pyinfra_snapshot.facts import first, sections
+from pyinfra_declared.batched_facts import first, sections
 
 
 class WheelCacheError(Exception):

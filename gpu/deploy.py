@@ -5,8 +5,8 @@ the image's).
 Usage (on that box, from the repo root): pyinfra -y gpu/inventory.py gpu/deploy.py
 """
 
-from pyinfra import local
+from tasks import exllamav3, plugin, service_user
 
-local.include("tasks/service_user.py")
-local.include("tasks/exllamav3.py")
-local.include("tasks/plugin.py")
+service_user.apply()
+exllamav3.apply()
+plugin.apply()

@@ -9,7 +9,7 @@ flags: see SETUP_PY), and commits the result as a git repository tagged v1.5.1, 
 clone -> build -> install path runs unchanged against it (exllamav3_git_url: file://DEST or a
 copy of it).
 
-Usage: python3 gpu/exllamav3_source.py [DEST]     (default: .gpu/exllamav3-src, git-ignored)
+Usage: python3 -m gpu.exllamav3_source [DEST]     (default: .gpu/exllamav3-src, git-ignored)
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from donorkit.wheel_cache import file_sha256  # noqa: E402
+from donorkit.paths import REPO_ROOT
+from donorkit.wheel_cache import file_sha256
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSION = "1.5.1"
 WHEEL = f"exllamav3-{VERSION}-py3-none-any.whl"
 # sha256 of the file PyPI serves (checked on 2026-11-29); a different file is refused.

@@ -5,13 +5,9 @@ Usage (on that box, from the repo root): pyinfra -y gpu/inventory.py gpu/deploy.
 """
 
 import os
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from donorkit.inventory import fleet_or_exit  # noqa: E402
+from donorkit.inventory import fleet_or_exit
+from donorkit.paths import REPO_ROOT
 
 _fleet = fleet_or_exit(os.environ.get("DONORS_FILE") or REPO_ROOT / "gpu/donors.yml",
                       require_local_sources=False)

@@ -26,7 +26,7 @@ Every checkpoint's max_position_embeddings is at least its profile's max_model_l
 (fixed seeds). The tokenizer and chat template are the testbed's (tests/testbed/tiny_model.py:
 byte-level, Qwen's <tool_call> tags, which Hermes-3 uses too).
 
-    python gpu/tiny_checkpoints.py OUT_DIR     # needs torch and transformers (gpu/engine_carry.sh)
+    python gpu/tiny_checkpoints.py OUT_DIR     # needs torch and transformers (gpu/engine_carry.py)
 """
 
 from __future__ import annotations

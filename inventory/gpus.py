@@ -5,11 +5,7 @@ validated before any connection. Groups: `donors` (all GPU boxes), one per card 
 Usage: pyinfra inventory/gpus.py deploy.py [--limit HOST]
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from donorkit.inventory import inventory_or_exit, pyinfra_groups  # noqa: E402
+from donorkit.inventory import inventory_or_exit, pyinfra_groups
 
 globals().update(pyinfra_groups(*inventory_or_exit()))

@@ -4,12 +4,8 @@ them). Same loader and validation as inventory/gpus.py; only the data file diffe
 Usage: pyinfra inventory/testbed.py deploy.py
 """
 
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from donorkit.inventory import inventory_or_exit, pyinfra_groups  # noqa: E402
+from donorkit.inventory import inventory_or_exit, pyinfra_groups
+from donorkit.paths import REPO_ROOT
 
 globals().update(pyinfra_groups(*inventory_or_exit(REPO_ROOT / "tests/testbed/donors.yml")))

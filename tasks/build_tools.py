@@ -1,8 +1,12 @@
 """Build tools: ninja (FlashInfer's JIT runs a bare `ninja`), a C++ toolchain, git, venv support."""
 
 from pyinfra import host
+from pyinfra.api import deploy
 
-from pyinfra_snapshot.operations import apt_install
+from pyinfra_declared.apt import apt_install
 
-apt_install(name="Install build tools", packages=host.data.build_packages,
-            lock_wait=host.data.apt_lock_wait)
+
+@deploy("Build tools")
+def apply() -> None:
+    apt_install(name="Install build tools", packages=host.data.build_packages,
+                lock_wait=host.data.apt_lock_wait)

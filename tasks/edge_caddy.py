@@ -5,29 +5,33 @@ module is refused before its config is touched; a new config is validated (as th
 before it replaces the live one."""
 
 from pyinfra import host
+from pyinfra.api import deploy
 
+from donorkit.box_operations import caddy_has_module
 from donorkit.caddy_config import caddy_config
-from donorkit.operations import caddy_has_module
 from donorkit.render import render_edge
-from pyinfra_snapshot.operations import apt_install
+from pyinfra_declared.apt import apt_install
 
-# curl: the verification suite checks each donor from the edge with it.
-apt_install(name="Install Caddy", packages=["caddy", "curl"], lock_wait=host.data.apt_lock_wait)
 
-if host.data.rate_limit:
-    caddy_has_module(
-        name="Check that Caddy has the rate-limit module",
-        module="http.handlers.rate_limit",
-        why="the inventory's rate_limit for this edge",
-        how=("install a Caddy built with github.com/mholt/caddy-ratelimit (`xcaddy build "
-             "--with github.com/mholt/caddy-ratelimit`, or `caddy add-package "
-             "github.com/mholt/caddy-ratelimit` on the box), or set `rate_limit: null` on this "
-             "edge in donors.yml (no rate limit)"),
+@deploy("Edge Caddy")
+def apply() -> None:
+    # curl: the verification suite checks each donor from the edge with it.
+    apt_install(name="Install Caddy", packages=["caddy", "curl"], lock_wait=host.data.apt_lock_wait)
+
+    if host.data.rate_limit:
+        caddy_has_module(
+            name="Check that Caddy has the rate-limit module",
+            module="http.handlers.rate_limit",
+            why="the inventory's rate_limit for this edge",
+            how=("install a Caddy built with github.com/mholt/caddy-ratelimit (`xcaddy build "
+                 "--with github.com/mholt/caddy-ratelimit`, or `caddy add-package "
+                 "github.com/mholt/caddy-ratelimit` on the box), or set `rate_limit: null` on this "
+                 "edge in donors.yml (no rate limit)"),
+        )
+
+    caddy_config(
+        render_edge(host.data.dict()),
+        install_root=host.data.install_root,
+        tls_dir=host.data.caddy_tls_dir,
+        access_log=host.data.caddy_access_log,
     )
-
-caddy_config(
-    render_edge(host.data.dict()),
-    install_root=host.data.install_root,
-    tls_dir=host.data.caddy_tls_dir,
-    access_log=host.data.caddy_access_log,
-)

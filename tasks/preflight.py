@@ -4,16 +4,20 @@ when that needs a newer driver: inventory/defaults.yml cuda_driver_minimums): be
 installed."""
 
 from pyinfra import host
+from pyinfra.api import deploy
 
-from donorkit.facts import host_profile
-from donorkit.operations import host_matches_inventory
+from donorkit.box_facts import host_profile
+from donorkit.box_operations import host_matches_inventory
 
-host_matches_inventory(
-    name="Check distro, GPU and driver against the inventory",
-    profile=host_profile(),
-    supported_distros=host.data.supported_distros,
-    card=host.data.card,
-    require_nvidia_smi=host.data.require_nvidia_smi,
-    driver_minimum=host.data.driver_minimum,
-    driver_cuda=host.data.driver_minimum_cuda,
-)
+
+@deploy("Preflight")
+def apply() -> None:
+    host_matches_inventory(
+        name="Check distro, GPU and driver against the inventory",
+        profile=host_profile(),
+        supported_distros=host.data.supported_distros,
+        card=host.data.card,
+        require_nvidia_smi=host.data.require_nvidia_smi,
+        driver_minimum=host.data.driver_minimum,
+        driver_cuda=host.data.driver_minimum_cuda,
+    )

@@ -3,24 +3,30 @@
 the toolkit's nvcc (PyTorch refuses to build otherwise)."""
 
 from pyinfra import host
+from pyinfra.api import deploy
 
-from donorkit.operations import torch_matches_nvcc
-from pyinfra_snapshot.operations import python_venv, venv_packages
+from donorkit.box_operations import torch_matches_nvcc
+from donorkit.render import VENV_BUSY_MARKER
+from pyinfra_declared.python_env import python_venv, venv_packages
 
-venv = host.data.venv_dir
 
-python_venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
-venv_packages(
-    name=f"Install vllm {host.data.vllm_installed_version} and torch {host.data.torch_version}",
-    venv_dir=venv,
-    packages=host.data.venv_requirements,
-    install=host.data.venv_install_specs,
-    install_args=host.data.venv_index_args,
-    uv=f"uv=={host.data.uv_version}",
-)
-if host.data.card["engine"] == "cuda":
-    torch_matches_nvcc(
-        name="Check torch's CUDA major against nvcc's",
-        cuda_home=host.data.cuda_home,
+@deploy("vLLM venv")
+def apply() -> None:
+    venv = host.data.venv_dir
+
+    python_venv(name=f"Create the venv {venv}", path=venv, python=host.data.venv_python)
+    venv_packages(
+        name=f"Install vllm {host.data.vllm_installed_version} and torch {host.data.torch_version}",
         venv_dir=venv,
+        packages=host.data.venv_requirements,
+        install=host.data.venv_install_specs,
+        install_args=host.data.venv_index_args,
+        uv=f"uv=={host.data.uv_version}",
+        busy_marker=VENV_BUSY_MARKER,
     )
+    if host.data.card.engine == "cuda":
+        torch_matches_nvcc(
+            name="Check torch's CUDA major against nvcc's",
+            cuda_home=host.data.cuda_home,
+            venv_dir=venv,
+        )

@@ -9,50 +9,54 @@ which."""
 from pathlib import PurePosixPath
 
 from pyinfra import host
+from pyinfra.api import deploy
 
 from donorkit.paths import repo_path
+from donorkit.render import hub_cache
 from donorkit.serving import (
     hf_token_path,
     home_token_path,
-    hub_cache,
     manifest_dir,
     model_weights,
 )
-from pyinfra_snapshot.operations import absent_path, config_file, directories
+from pyinfra_declared.files import absent_path, config_file, directories
 
-root = host.data.install_root
-user, home = host.data.service_user, host.data.service_home
-fetcher = f"{root}/bin/fetch_weights.py"
-config_file(name="Install the weights fetcher", content=repo_path(
-    "files/fetch_weights.py").read_text(), dest=fetcher, mode="755")
 
-# The token is root's (0600 in a 0700 folder of root's): the vLLM units run as the service user
-# and never need it; the weights step's root shell opens it and hands it to the fetch on stdin
-# (donorkit/serving.py). Earlier deploys kept it in the service user's home: removed there.
-absent_path(name="No Hugging Face token in the service user's home",
-            path=home_token_path(home))
-token_file = token_error = None
-if not host.data.hf_token_file:
-    absent_path(name="No Hugging Face token (none in the inventory)",
-                path=hf_token_path(root))
-else:
-    token_file = hf_token_path(root)
-    token_dir = str(PurePosixPath(token_file).parent)
-    try:
-        token = repo_path(host.data.hf_token_file).read_text()
-    except OSError as e:
-        token_error = f"hf_token_file {host.data.hf_token_file}: {e.strerror}"
+@deploy("Weights")
+def apply() -> None:
+    root = host.data.install_root
+    user, home = host.data.service_user, host.data.service_home
+    fetcher = f"{root}/bin/fetch_weights.py"
+    config_file(name="Install the weights fetcher", content=repo_path(
+        "files/fetch_weights.py").read_text(), dest=fetcher, mode="755")
+
+    # The token is root's (0600 in a 0700 folder of root's): the vLLM units run as the service user
+    # and never need it; the weights step's root shell opens it and hands it to the fetch on stdin
+    # (donorkit/serving.py). Earlier deploys kept it in the service user's home: removed there.
+    absent_path(name="No Hugging Face token in the service user's home",
+                path=home_token_path(home))
+    token_file = token_error = None
+    if not host.data.hf_token_file:
+        absent_path(name="No Hugging Face token (none in the inventory)",
+                    path=hf_token_path(root))
     else:
-        directories(name="Create root's secrets directory (0700)", paths=[token_dir],
-                    mode="700")
-        config_file(name="Install the Hugging Face token (0600, root's)", content=token,
-                    dest=token_file, mode="600", secret=True)
+        token_file = hf_token_path(root)
+        token_dir = str(PurePosixPath(token_file).parent)
+        try:
+            token = repo_path(host.data.hf_token_file).read_text()
+        except OSError as e:
+            token_error = f"hf_token_file {host.data.hf_token_file}: {e.strerror}"
+        else:
+            directories(name="Create root's secrets directory (0700)", paths=[token_dir],
+                        mode="700")
+            config_file(name="Install the Hugging Face token (0600, root's)", content=token,
+                        dest=token_file, mode="600", secret=True)
 
-for model in host.data.models.values():
-    revision = model.get("revision")
-    model_weights(
-        name=f"Weights of {model['checkpoint']} @ {(revision or 'no revision')[:12]}",
-        model=model["name"], repo=model["checkpoint"], revision=revision,
-        python=f"{host.data.venv_dir}/bin/python", script=fetcher, service_user=user,
-        home=home, cache_dir=hub_cache(home), manifests=manifest_dir(home),
-        endpoint=host.data.hf_endpoint, token_file=token_file, token_error=token_error)
+    for model in host.data.models.values():
+        revision = model.get("revision")
+        model_weights(
+            name=f"Weights of {model['checkpoint']} @ {(revision or 'no revision')[:12]}",
+            model=model["name"], repo=model["checkpoint"], revision=revision,
+            python=f"{host.data.venv_dir}/bin/python", script=fetcher, service_user=user,
+            home=home, cache_dir=hub_cache(home), manifests=manifest_dir(home),
+            endpoint=host.data.hf_endpoint, token_file=token_file, token_error=token_error)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from donorkit.paths import REPO_ROOT
+
 # Everything the testbed makes lives here (git-ignored), so a `rm -rf .testbed` is a full reset.
 WORK = REPO_ROOT / ".testbed"
 STANDINS = Path(__file__).resolve().parent / "standins"

@@ -54,8 +54,10 @@ def _personalize(root: Path, name: str, pubkey: str) -> None:
     (ssh / "authorized_keys").chmod(0o600)
 
 
-def boot(name: str, ns: str) -> subprocess.Popen:
-    """Start the container detached (own session): `up` from the CLI returns while hosts run on."""
+def boot(name: str, ns: str, again: bool = False) -> subprocess.Popen:
+    """Start the container detached (own session): `up` from the CLI returns while hosts run on.
+    `again`: a second start after the first exited; its console output is appended to the
+    first's, which is kept."""
     PIP_CACHE.mkdir(parents=True, exist_ok=True)
     UV_CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -70,20 +72,26 @@ def boot(name: str, ns: str) -> subprocess.Popen:
            f"--bind={UV_CACHE}:/root/.cache/uv",
            f"--bind={tmp}:/tmp",
            "--resolv-conf=off", "--link-journal=no", "--console=read-only"]
-    out = open(LOGS / f"{name}.console.log", "wb")
+    out = open(LOGS / f"{name}.console.log", "ab" if again else "wb")
     # PID 1 of this machine is not systemd: --register=no --keep-unit keep nspawn off machined/dbus.
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def exit_status(pid: int) -> str:
-    """How an nspawn this process started ended (reaped here), for the log."""
+def exited(pid: int, name: str) -> str | None:
+    """How the nspawn this process started for host `name` ended (reaped here), or None while it
+    runs. Asked of the kernel (waitpid), never read from /proc/PID/cmdline: right after Popen
+    returns, the child's exec may not have set up its new argument area yet (the kernel closes
+    the close-on-exec pipe Popen waits on before it writes the new argv), and cmdline then reads
+    empty, so a running nspawn looked gone; starting a second one on the same directory made that
+    one exit 1 ("directory busy") while the first went on booting into the shared console log:
+    the testbed's `nspawn exited again (exit code 1)` with a log cut mid-boot."""
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return "exit status unknown (not our child)"
+    except ChildProcessError:  # not our child (another process started it): by its cmdline
+        return None if is_ours(pid, name) else "exited (not our child: status unknown)"
     if not done:
-        return "still running"
+        return None
     if os.WIFSIGNALED(status):
         return f"killed by signal {os.WTERMSIG(status)}"
     return f"exit code {os.waitstatus_to_exitcode(status)}"

@@ -133,7 +133,7 @@ def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict]) -> list[Host
 
     def restart(host: Host) -> None:
         """Start a host's nspawn once more (see _keyscan), recorded before it can fail."""
-        host.pid = containers.boot(host.name, host.netns).pid
+        host.pid = containers.boot(host.name, host.netns, again=True).pid
         state["hosts"] = [asdict(h) for h in started]
         _save(state)
 
@@ -165,13 +165,13 @@ def _wait_ready(hosts: list[Host], restart) -> None:
 
 
 def _keyscan(host: Host, deadline: float, restart) -> str:
-    """The host's sshd keys once it answers. An nspawn that exits before that is started once
-    more, saying so: seen once right after a teardown (nspawn gone, console log empty), and the
-    same start a second later worked; the log line keeps its exit status and console output."""
+    """The host's sshd keys once it answers. An nspawn that exits before that (asked of the
+    kernel: containers.exited) is started once more, saying so, with its exit status and console
+    output in the log line; a second exit fails the run."""
     retried = False
     while time.monotonic() < deadline:
-        if host.pid and not containers.is_ours(host.pid, host.name):
-            status = containers.exit_status(host.pid)
+        status = containers.exited(host.pid, host.name) if host.pid else None
+        if status:
             console = containers.console_log(host.name)
             if retried:
                 raise RuntimeError(f"{host.name}: nspawn exited again ({status}); console log "

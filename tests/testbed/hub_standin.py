@@ -2,7 +2,7 @@
 
 The testbed's HTTP server (`python -m tests.testbed.hub_standin`), which also serves the testbed's
 static files (`--directory`, what `python -m http.server` served before). It answers the requests
-the REAL huggingface_hub client (requirements.txt pins the version read) makes for
+the REAL huggingface_hub client (pyproject.toml pins the version read) makes for
 `snapshot_download` when pointed at it with `HF_ENDPOINT` / `endpoint=`:
 
 - `GET /api/models/<repo>[/revision/<rev>]`   model info (sha = the commit, siblings)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 
-from donorkit.rollout import Box, PinnedHTTPS, gpu_side_check
+from donorkit.rollout import gpu_side_check
+from donorkit.rollout_plan import Box
+from donorkit.transport import https_get
 
 from .hosts import Host, ssh
 
@@ -77,21 +78,16 @@ class RequestLoop:
     def _via_edge(self) -> str | None:
         """A public client's GET through the edge (one connection per request, as the request
         loops of the edge cases); only ever a GET, never re-sent."""
-        context = ssl.create_default_context(cafile=self.cafile)
-        conn = PinnedHTTPS(self.edge, 443, self.hostname, context, 30)
         try:
             headers = {"X-Loop": f"{self.tag}-{self.rounds}"} if self.tag else {}
-            conn.request("GET", "/v1/models", headers=headers)
-            response = conn.getresponse()
-            body = response.read()
-            if response.status != 200:
-                return f"HTTP {response.status}"
+            status, body = https_get(self.edge, 443, self.hostname, "/v1/models", self.cafile,
+                                     timeout=30, headers=headers)
+            if status != 200:
+                return f"HTTP {status}"
             ids = [m.get("id") for m in json.loads(body).get("data", [])]
             return None if self.checkpoint in ids else f"{self.checkpoint} not listed ({ids})"
         except (OSError, ValueError, http.client.HTTPException) as e:
             return f"{type(e).__name__}: {e}"
-        finally:
-            conn.close()
 
     def summary(self) -> str:
         per_box = ", ".join(f"{n} {self.failed.get(n, 0)}/{self.sent[n]} failed"

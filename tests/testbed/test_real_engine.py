@@ -11,7 +11,7 @@ lists the checkpoint; then:
 - the verify suite's serving, network and systemd checks pass against it (CUDA-only ones skip);
   its Caddy answers only the client CA's certificates (issue 15) and this host has no edge (one
   more container on 2 shared cores for a path test_e2e.py already proves): the serving checks and
-  `make accept` present the operator's client certificate (donorkit.accept.OPERATOR_CLIENT, from
+  `make accept` present the operator's client certificate (donorkit.pki.OPERATOR_CLIENT, from
   the testbed's client CA), and the verify suite's donor check proves a handshake without one
   fails;
 - every socket the engine's processes listen on is loopback (it opens more than one);
@@ -37,14 +37,15 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.accept import OPERATOR_CLIENT, Record
+from donorkit.acceptance import Record
 from donorkit.fleet import load_fleet
+from donorkit.paths import REPO_ROOT
+from donorkit.pki import OPERATOR_CLIENT
 from donorkit.render import pki_for
 from tests.testbed import cpu_engine, www
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
 NAME, IP = "tb-cpu", "10.213.0.15"

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+from donorkit.paths import REPO_ROOT
 
 # The checkout's own private CA (defaults.yml `pki_dir: pki`): the operator's keys. Tests keep
 # their CAs in temporary folders; one that creates or changes anything here fails.

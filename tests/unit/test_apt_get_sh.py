@@ -1,4 +1,4 @@
-"""pyinfra_snapshot/apt_get.sh in a real shell: apt-get runs only once the lock files are free of
+"""pyinfra_declared/apt_get.sh in a real shell: apt-get runs only once the lock files are free of
 fcntl(2) record locks (what apt and dpkg take), the wait is said on stderr, and it is bounded."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "pyinfra_snapshot/apt_get.sh"
+from donorkit.paths import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "pyinfra_declared/apt_get.sh"
 HOLD = ("import fcntl, sys, time\n"
         "f = open(sys.argv[1], 'w')\n"
         "fcntl.lockf(f, fcntl.LOCK_EX)\n"  # fcntl F_SETLKW, as apt and dpkg lock
@@ -25,10 +26,10 @@ def hold(lock: Path, seconds: float) -> subprocess.Popen:
 
 
 def apt_get(lock: Path, wait: int, *args: str) -> subprocess.CompletedProcess:
-    command = f". {SCRIPT}; uncloseai_apt_get {wait} {' '.join(args)}"
+    command = f". {SCRIPT}; apt_get_when_free {wait} {' '.join(args)}"
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-                               "UNCLOSEAI_APT_LOCKS": f"{lock} {lock}.absent"})
+                               "APT_WAIT_LOCKS": f"{lock} {lock}.absent"})
 
 
 def test_waits_for_a_held_lock_then_runs_apt_get(tmp_path: Path) -> None:

@@ -40,16 +40,27 @@ def test_stamped_steps_from_a_real_shell() -> None:
     assert set(steps) == {"a", "b"} and 0.15 < steps["a"] < 2 and steps["b"] < 0.2
 
 
-def test_phases_from_a_real_pyinfra_log(tmp_path: Path) -> None:
-    """pyinfra on @local, a deploy of two task files named as ours: the phases are theirs."""
+@pytest.mark.parametrize("style", ["deploys", "included files"])
+def test_phases_from_a_real_pyinfra_log(tmp_path: Path, style: str) -> None:
+    """pyinfra on @local, a deploy of two steps named as ours (pyinfra deploys, as this deploy's
+    tasks/ are, or included task files, as a --baseline revision's): the phases are theirs."""
     (tmp_path / "tasks").mkdir()
-    (tmp_path / "deploy.py").write_text("from pyinfra import local\n"
-                                        "local.include('tasks/cuda.py')\n"
-                                        "local.include('tasks/vllm_venv.py')\n")
-    for name in ("cuda", "vllm_venv"):
-        (tmp_path / f"tasks/{name}.py").write_text(
-            "from pyinfra.operations import server\n"
-            f"server.shell(name='Wait in {name}', commands=['sleep 0.5'])\n")
+    if style == "deploys":
+        (tmp_path / "steps.py").write_text(
+            "from pyinfra.api import deploy\nfrom pyinfra.operations import server\n\n\n"
+            "@deploy('CUDA toolkit')\ndef cuda():\n"
+            "    server.shell(name='Wait in cuda', commands=['sleep 0.5'])\n\n\n"
+            "@deploy('vLLM venv')\ndef venv():\n"
+            "    server.shell(name='Wait in venv', commands=['sleep 0.5'])\n")
+        (tmp_path / "deploy.py").write_text("import steps\nsteps.cuda()\nsteps.venv()\n")
+    else:
+        (tmp_path / "deploy.py").write_text("from pyinfra import local\n"
+                                            "local.include('tasks/cuda.py')\n"
+                                            "local.include('tasks/vllm_venv.py')\n")
+        for name in ("cuda", "vllm_venv"):
+            (tmp_path / f"tasks/{name}.py").write_text(
+                "from pyinfra.operations import server\n"
+                f"server.shell(name='Wait in {name}', commands=['sleep 0.5'])\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run([str(BIN / "pyinfra"), "-y", "@local", "deploy.py"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)

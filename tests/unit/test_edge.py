@@ -20,12 +20,13 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from donorkit.facts import CaddyModules
+from donorkit.box_facts import CaddyModules
 from donorkit.fleet import DONORS_FILE, FleetError, load_inventory
+from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
+from tests.unit.make import make
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 DISTRO_CADDY = "/usr/bin/caddy"
 CADDIES = [VENV_CADDY, DISTRO_CADDY]
@@ -402,7 +403,7 @@ def test_make_render_renders_an_edge(tmp_path: Path) -> None:
     doc["overrides"] = {"pki_dir": str(tmp_path / "pki")}
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
-    result = subprocess.run(["make", "-s", "render", "HOST=front", f"OUT={out}"],
+    result = subprocess.run(make("render", "HOST=front", f"OUT={out}"),
                             cwd=REPO_ROOT, env=dict(os.environ, DONORS_FILE=str(path)),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

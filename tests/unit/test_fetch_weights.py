@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from donorkit.paths import REPO_ROOT
 from tests.testbed.hub_standin import generate_checkpoint, load_repo, make_servers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FETCH = REPO_ROOT / "files/fetch_weights.py"
 REPO = "standin/tiny-checkpoint"
 SHARD = "model-00001-of-00002.safetensors"
@@ -259,7 +259,7 @@ def test_the_token_is_roots_and_reaches_the_fetch_on_stdin(hub, tmp_path):
     from pyinfra.context import ctx_host
 
     from donorkit.serving import model_weights
-    from pyinfra_snapshot.testing import CaseHost
+    from pyinfra_declared.json_cases import CaseHost
 
     url, state = hub
     rev = revision(state)

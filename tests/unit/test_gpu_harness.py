@@ -4,16 +4,14 @@ every Environment= pair, User=), or the GPU proof would prove another command li
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from donorkit.fleet import REPO_ROOT, load_fleet
+from donorkit.fleet import load_fleet
+from donorkit.paths import REPO_ROOT
 from donorkit.render import exec_start, render_unit, unit_environment
-
-sys.path.insert(0, str(REPO_ROOT / "gpu"))
-import engine_run  # noqa: E402
+from gpu import engine_run
 
 ENGINE_DONORS = REPO_ROOT / "gpu/engine.yml"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import accept, pki, rollout
+from donorkit import pki, rollout_plan
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.paths import REPO_ROOT
 from donorkit.render import render_edge_caddyfile
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}
 EDGE = {"ssh_host": "192.0.2.2", "ssh_user": "admin", "hostnames": "all", "rate_limit": None}
@@ -147,7 +147,7 @@ def test_other_spellings_of_an_address_are_refused(tmp_path: Path, address: str)
     refused(write(tmp_path, {"box": dict(BOX, ssh_host=address)}), "donor 'box'", "ssh_host")
 
 
-@pytest.mark.parametrize("name", [accept.OPERATOR_CLIENT, "operator-x",
+@pytest.mark.parametrize("name", [pki.OPERATOR_CLIENT, "operator-x",
                                   *getattr(pki, "OPERATOR_CLIENT_NAMES", ())])
 def test_an_edge_is_not_named_like_the_operators_certificate(tmp_path: Path, name: str) -> None:
     path = write(tmp_path, edges={name: EDGE})
@@ -262,7 +262,7 @@ def test_one_duration_type_for_schema_template_and_rollout(tmp_path: Path) -> No
     proxy = {"health_interval": "1m30s", "health_timeout": "1.5s"}
     _, edges = load_inventory(write(tmp_path, edges={
         "front": dict(EDGE, overrides={"edge_proxy": proxy})}))
-    edge = rollout.Edge("front", edges["front"])
+    edge = rollout_plan.Edge("front", edges["front"])
     assert edge.health_wait == 91.5
     text = render_edge_caddyfile(edges["front"])
     assert "\t\t\thealth_interval 90s\n" in text and "\t\t\thealth_timeout 1500ms\n" in text

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from donorkit import render_cli
 from donorkit.fleet import DEFAULTS_FILE, DONORS_FILE
+from donorkit.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = int(os.environ.get("UNCLOSEAI_PROPERTY_CASES", "2000"))
 SHIPPED = yaml.safe_load(DONORS_FILE.read_text())
 TESTBED = yaml.safe_load((REPO_ROOT / "tests/testbed/donors.yml").read_text())

@@ -1,4 +1,4 @@
-"""The donor-box operations, pyinfra's way (pyinfra_snapshot/testing.py): arguments and facts
+"""The donor-box operations, pyinfra's way (pyinfra_declared/json_cases.py): arguments and facts
 in, exact commands out. exllamav3's four steps share a case file: the box as it is before any of
 them ran, and what each step does on its own from there."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from donorkit import operations
-from donorkit.operations import Exllamav3Build
-from pyinfra_snapshot.testing import check_case, plan, refusal_message
+from donorkit import box_operations
+from donorkit.box_operations import Exllamav3Build
+from pyinfra_declared.json_cases import check_case, plan, refusal_message
 
 HERE = Path(__file__).parent / "operations"
 CASES = sorted(p for p in HERE.glob("*/*.json") if p.parent.name != "exllamav3")
@@ -22,7 +22,7 @@ STEPS = ("upload_cached_wheel", "build_wheel", "install_wheel", "copy_wheel_back
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.stem}" for c in CASES])
 def test_operation(case: Path) -> None:
-    check_case(getattr(operations, case.parent.name), case)
+    check_case(getattr(box_operations, case.parent.name), case)
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -31,7 +31,7 @@ def test_exllamav3_step(case: Path, step: str) -> None:
     spec = json.loads(case.read_text())
     build = Exllamav3Build(**{**spec["build"], "patches": tuple(spec["build"]["patches"])})
     args = {"build": build, **spec["args"].get(step, {})}
-    commands, noops = plan(getattr(operations, step), args, spec["facts"])
+    commands, noops = plan(getattr(box_operations, step), args, spec["facts"])
     want = spec["steps"][step]
     if "error" in want:
         assert re.search(want["error"], refusal_message(commands)), commands

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from donorkit.rollout import Box, plan_batches, resume_command
+from donorkit.rollout import resume_command
+from donorkit.rollout_plan import Box, plan_batches
+from tests.unit.make import make
 
 MODELS = {"qwen": {"checkpoint": "org/qwen"}, "hermes": {"checkpoint": "org/hermes"}}
 
@@ -51,12 +53,13 @@ import subprocess as _subprocess  # noqa: E402
 
 import yaml  # noqa: E402
 
-from donorkit import rollout  # noqa: E402
+from donorkit import rollout, rollout_plan  # noqa: E402
+from donorkit.paths import REPO_ROOT  # noqa: E402
 
 
-def edge(name: str, *pools: tuple[str, str]) -> rollout.Edge:
+def edge(name: str, *pools: tuple[str, str]) -> rollout_plan.Edge:
     """An edge whose site `hostname` has the donors `names` (address: name:443)."""
-    return rollout.Edge(name, {"sites": [
+    return rollout_plan.Edge(name, {"sites": [
         {"hostname": hostname, "upstreams": [{"donor": n, "address": f"{n}:443"}
                                              for n in names.split()]}
         for hostname, names in pools]})
@@ -73,7 +76,7 @@ def serving_of(boxes: list[Box]) -> dict[str, list[Box]]:
 def test_plan_says_who_is_drained_when_and_what_runs_on_one_box():
     fleet = [box("a", "h1"), box("b", "h1"), box("c", "h2"), box("d", "h1")]
     batches = plan_batches(fleet, 2)
-    text = rollout.plan_text(batches, [edge("e1", ("h1", "a b d"))], serving_of(fleet))
+    text = rollout_plan.plan_text(batches, [edge("e1", ("h1", "a b d"))], serving_of(fleet))
     assert text == [
         "batch 1/3: a, c",
         "  a: out of the pools of e1, deployed, back in them",
@@ -87,7 +90,7 @@ def test_plan_says_who_is_drained_when_and_what_runs_on_one_box():
         "  d: out of the pools of e1, deployed, back in them",
         "    h1: runs on 2 boxes (a, b)"]
     two = [box("a", "h1"), box("b", "h1")]
-    assert rollout.plan_text(plan_batches(two, 2), [], serving_of(two))[2] == \
+    assert rollout_plan.plan_text(plan_batches(two, 2), [], serving_of(two))[2] == \
         "    h1: runs on one box, b, while a restarts"
 
 
@@ -113,8 +116,8 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
     def no_connection(*args, **kwargs):
         raise AssertionError("--plan opened a connection")
 
-    monkeypatch.setattr(rollout, "Remote", no_connection)
-    monkeypatch.setattr(rollout.socket, "create_connection", no_connection)
+    monkeypatch.setattr(rollout, "SshRunner", no_connection)
+    monkeypatch.setattr(socket, "create_connection", no_connection)
     assert rollout.main(["--plan", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "rollout: plan only (inventory/gpus.py): nothing is touched" in out
@@ -123,8 +126,8 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
 
 
 def test_make_rollout_plan(tmp_path):
-    result = _subprocess.run(["make", "-s", "rollout", "PLAN=1", "BATCH=2"],
-                             cwd=rollout.REPO_ROOT, capture_output=True, text=True, timeout=120,
+    result = _subprocess.run(make("rollout", "PLAN=1", "BATCH=2"),
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "DONORS_FILE": str(donors_file(tmp_path))})
     assert result.returncode == 0, result.stderr
     assert "batch 2/2: b\n  b: out of the pools of e1" in result.stdout, result.stdout
@@ -169,7 +172,7 @@ def run_main(monkeypatch, tmp_path, fake: dict, argv: list[str]) -> tuple[int, s
         made.append(FakeFleet(boxes, edges, **fake))
         return made[0]
 
-    monkeypatch.setattr(rollout, "Fleet", fleet)
+    monkeypatch.setattr(rollout, "RolloutHosts", fleet)
     return rollout.main(argv), "", made[0]
 
 
@@ -209,9 +212,9 @@ class LocalRemote:
                                    else result.stdout + result.stderr)
 
 
-def local_fleet(tmp_path: Path, names: list[str]) -> rollout.Fleet:
+def local_fleet(tmp_path: Path, names: list[str]) -> rollout.RolloutHosts:
     boxes = [Box(n, {"install_root": str(tmp_path / n)}) for n in names]
-    fleet = rollout.Fleet(boxes, [])
+    fleet = rollout.RolloutHosts(boxes, [])
     fleet.remote = lambda host: LocalRemote()
     return fleet
 
@@ -263,7 +266,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from donorkit.rollout import edge_sees, health_events, upstream_requests  # noqa: E402
+from donorkit.rollout_plan import edge_sees, health_events, upstream_requests  # noqa: E402
 
 CADDIES = [str(Path(sys.executable).parent / "caddy"), "/usr/bin/caddy"]
 

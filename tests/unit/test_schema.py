@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from donorkit.fleet import FleetError, load_fleet
+from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import render_host, render_unit
-from donorkit.schema import owned_option
+from donorkit.values import owned_option
+from tests.unit.make import make
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}
@@ -63,7 +64,7 @@ def test_one_field_of_a_card_and_one_env_value_overridden(tmp_path: Path) -> Non
     box = load_fleet(with_overrides(tmp_path, {
         "cards": {"rtx4090": {"cuda": "13.0"}},
         "unit_environment": {"EXTRA": "1"}}))["box"]
-    assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"]["arch"] == "8.9"
+    assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"].arch == "8.9"
     assert box["unit_environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                        "MAX_JOBS": "4", "EXTRA": "1"}
 
@@ -249,7 +250,7 @@ def test_one_line_exit_2_through_make_render_and_pyinfra(tmp_path: Path, entry: 
     path = tmp_path / "donors.yml"
     path.write_text(BAD)
     env = dict(os.environ, DONORS_FILE=str(path))
-    command = (["make", "-s", "render", "HOST=box", f"OUT={tmp_path / 'out'}"] if entry == "render"
+    command = (make("render", "HOST=box", f"OUT={tmp_path / 'out'}") if entry == "render"
                else [str(BIN / "pyinfra"), "inventory/gpus.py", "debug-inventory"])
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=120)

@@ -16,10 +16,10 @@ import pytest
 from pyinfra.api import FunctionCommand
 from pyinfra.context import ctx_host
 
+from donorkit.paths import REPO_ROOT
 from donorkit.serving import ModelsListed, WeightsComplete, model_weights, ready_gate
-from pyinfra_snapshot.testing import CaseHost, refusal_message
+from pyinfra_declared.json_cases import CaseHost, refusal_message
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REV = "4ff9003a33658da90d0bc7977d0251d39075a663"
 WEIGHTS = dict(model="qwen", repo="turboderp/Qwen3.8-27B-exl3", revision=REV,
                python="/opt/uncloseai/vllm-venv/bin/python",
@@ -133,7 +133,7 @@ def test_models_listed_fact_against_the_standin(standin_port):
     assert seen[-1] == ["org/model"], seen
     assert [] in seen  # up, but not loaded yet: listed nothing
     # Read inside the run's one-command snapshot, it must come back as its own section.
-    from pyinfra_snapshot.snapshot import Snapshot
+    from pyinfra_declared.snapshot import Snapshot
     command = Snapshot().command([ModelsListed().command(port=standin_port), "echo after"])
     out = subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
     sections = Snapshot().process(out.splitlines())

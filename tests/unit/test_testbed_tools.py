@@ -6,6 +6,9 @@ real testbed, which another run may be using)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,19 @@ def test_tool_check_finds_a_tool_in_its_directories(no_tools: Path, tmp_path: Pa
     monkeypatch.setattr(common, "TOOL_DIRS", [str(found)])
     assert "nftables" not in common.missing_packages(hosts.TOOLS)
     assert "debootstrap" in common.missing_packages(hosts.TOOLS)
+
+
+def test_a_started_host_is_alive_until_the_kernel_says_it_exited() -> None:
+    """The testbed's start check asks waitpid, not /proc/PID/cmdline (empty for a moment right
+    after Popen returns: a running nspawn looked gone and was started twice)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert containers.exited(child.pid, "tb-x") is None  # at once: running, whatever cmdline
+        child.kill()
+        deadline = time.monotonic() + 10
+        status = None
+        while status is None and time.monotonic() < deadline:
+            status = containers.exited(child.pid, "tb-x")
+        assert status == "killed by signal 9"
+    finally:
+        child.kill()

@@ -103,12 +103,12 @@ def test_the_sandbox_leaves_cuda_its_devices_and_jit(tmp_path: Path) -> None:
 
 
 def run_config_file(dest: Path, content: str, validate: str) -> int:
-    """pyinfra_snapshot's config_file commands in a real shell (the upload done by hand)."""
+    """pyinfra_declared's config_file commands in a real shell (the upload done by hand)."""
     from pyinfra.api import FileUploadCommand
     from pyinfra.context import ctx_host
 
-    from pyinfra_snapshot.operations import config_file
-    from pyinfra_snapshot.testing import CaseHost, as_text
+    from pyinfra_declared.files import config_file
+    from pyinfra_declared.json_cases import CaseHost, as_text
 
     case_host = CaseHost()
     case_host.data = {"ssh_user": "root"}

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from donorkit.fleet import DEFAULTS_FILE, load_fleet, read_yaml
-from pyinfra_snapshot.operations import venv_packages
-from pyinfra_snapshot.testing import plan
+from donorkit.render import VENV_BUSY_MARKER
+from pyinfra_declared.json_cases import plan
+from pyinfra_declared.python_env import venv_packages
 
 CARDS = sorted(read_yaml(DEFAULTS_FILE)["cards"])
 UV_VERSION = read_yaml(DEFAULTS_FILE)["uv_version"]
@@ -54,7 +55,7 @@ def host_data(tmp_path: Path, card: str) -> dict:
     return load_fleet(donors)["box-a"]
 
 
-MARKER = f"{VENV}/.uncloseai-installing"
+MARKER = f"{VENV}/{VENV_BUSY_MARKER}"
 
 
 def commands(data: dict, installed: dict[str, str], interrupted: bool = False) -> list[str]:
@@ -62,7 +63,7 @@ def commands(data: dict, installed: dict[str, str], interrupted: bool = False) -
     finish leaves); the marker's making and removal are checked and cut off."""
     args = {"venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
             "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-            "uv": f"uv=={data['uv_version']}"}
+            "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER}
     busy = {MARKER: {"type": "regular empty file"}} if interrupted else {}
     found, _ = plan(venv_packages, args, {"installed": installed, "busy": busy})
     if found:
@@ -112,17 +113,18 @@ def test_the_marker_is_made_and_removed_in_a_real_shell(tmp_path: Path) -> None:
     found, _ = plan(venv_packages, {
         "venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
         "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-        "uv": f"uv=={data['uv_version']}"}, {"installed": {"uv": UV_VERSION}, "busy": {}})
+        "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER},
+        {"installed": {"uv": UV_VERSION}, "busy": {}})
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     for exit_code in (0, 1):
         uv = venv / "bin/uv"
-        uv.write_text(f"#!/bin/sh\ntest -e {venv}/.uncloseai-installing || exit 9\n"
+        uv.write_text(f"#!/bin/sh\ntest -e {venv}/{VENV_BUSY_MARKER} || exit 9\n"
                       f"exit {exit_code}\n")
         uv.chmod(0o755)
         result = subprocess.run(["sh", "-c", found[0].replace(VENV, str(venv))])
         assert result.returncode == exit_code
-        assert (venv / ".uncloseai-installing").exists() == bool(exit_code)
+        assert (venv / VENV_BUSY_MARKER).exists() == bool(exit_code)
 
 
 def test_4090_venv_converged_with_pypi_builds(tmp_path: Path) -> None:

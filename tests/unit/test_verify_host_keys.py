@@ -1,5 +1,5 @@
 """The verification suite's SSH connections refuse an unknown host key unless told otherwise: a
-real paramiko SSH server on loopback (pyinfra_snapshot's SSH socket test server)."""
+real paramiko SSH server on loopback (pyinfra_declared's SSH socket test server)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from pyinfra_snapshot.tests.test_ssh_socket import _key_file, ssh_server  # noqa: F401 (fixture)
+from pyinfra_declared.tests.test_ssh_socket import _key_file, ssh_server  # noqa: F401 (fixture)
 
 
 def test_verify_suite_refuses_an_unknown_host_key(ssh_server: int,  # noqa: F811

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from donorkit.paths import REPO_ROOT
+
 GATE = REPO_ROOT / "files/wait_ready.py"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"
 MODEL = "turboderp/Qwen3.8-27B-exl3"

@@ -15,10 +15,10 @@ from pyinfra.api import Config, FactBase, Inventory, State
 from pyinfra.api.host import Host
 
 from donorkit import wheel_cache
-from donorkit.facts import CudaStack
+from donorkit.box_facts import CudaStack
+from donorkit.paths import REPO_ROOT
 from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WHEEL = "exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl"
 BOX = {"python": "3.12", "abi": "cp312", "torch": "2.11.0+cu130", "torch_cuda": "13.0",
        "nvcc": "13.0", "distro": "ubuntu2404", "machine": "x86_64", "installed": None}

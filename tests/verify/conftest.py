@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-from pathlib import Path
 
 import paramiko
 import pytest
@@ -40,11 +38,7 @@ from testinfra.backend.local import LocalBackend
 from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # pytest puts tests/verify on the path, not the repo root
-    sys.path.insert(0, str(REPO_ROOT))
-
-from donorkit.fleet import FleetError, load_inventory  # noqa: E402
+from donorkit.fleet import FleetError, load_inventory
 
 CONNECT_TIMEOUT_S = 10
 
@@ -273,7 +267,7 @@ def _cuda_only(request: pytest.FixtureRequest) -> None:
         return
     data = selected_donors(request.config)[request.getfixturevalue("donor")]
     name = request.node.originalname
-    if data["card"]["engine"] == "cpu" and (request.path.name in CUDA_ONLY_MODULES
+    if data["card"].engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
                                             or name in CUDA_ONLY_TESTS):
-        pytest.skip(f"card profile '{data['card']['name']}' is vLLM's CPU engine: no CUDA, "
+        pytest.skip(f"card profile '{data['card'].name}' is vLLM's CPU engine: no CUDA, "
                     "exllamav3, plugin or GPU")

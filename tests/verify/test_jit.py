@@ -50,7 +50,7 @@ def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
     print(f"environment from {source}")
     user = data["service_user"]
     home = user_home(host, user)
-    script = SCRIPT.format(kernel=KERNEL.strip(), arch=sm(data["card"]["arch"]))
+    script = SCRIPT.format(kernel=KERNEL.strip(), arch=sm(data["card"].arch))
     if systemd_booted(host):
         sandbox = unit_sandbox(host, m["unit"])
         assert f"User={user}" in sandbox, f"{m['unit']} does not run as {user}: {sandbox}"
@@ -59,7 +59,7 @@ def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
         command, where = as_user(user, home, env, script), f"a shell of {user}"
     result = host.run(command)
     assert result.rc == 0 and "PREFLIGHT-OK" in result.stdout, (
-        f"nvcc -arch={sm(data['card']['arch'])} ... -lcudart in {where}, with the environment "
+        f"nvcc -arch={sm(data['card'].arch)} ... -lcudart in {where}, with the environment "
         f"of {source}, failed (rc {result.rc}):\n{result.stdout}\n{result.stderr}")
 
 

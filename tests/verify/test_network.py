@@ -44,7 +44,8 @@ def _is_loopback(address: str) -> bool:
 def test_vllm_port_loopback_only(host: Host, m: dict) -> None:
     addresses = _tcp_listeners(host, m["port"])
     if not addresses:
-        pytest.skip(f"nothing listens on port {m['port']} ({m['unit']} not running?)")
+        pytest.fail(f"nothing listens on port {m['port']} ({m['unit']} not running?)",
+                    pytrace=False)
     public = [a for a in addresses if not _is_loopback(a)]
     assert not public, f"port {m['port']} ({m['name']}) is bound on {public}: not loopback only"
 

@@ -12,11 +12,13 @@ from testinfra.host import Host
 
 
 def _ready(host: Host, model: dict) -> None:
-    """vLLM opens its port before the model is loaded: ready means /health == 200."""
+    """vLLM opens its port before the model is loaded: ready means /health == 200. A model that
+    is not ready fails the check with the reason (a deployed box serves its models)."""
     url = f"http://127.0.0.1:{model['port']}/health"
     code = host.run("curl -s -o /dev/null -m 5 -w '%%{http_code}' %s", url).stdout.strip()
     if code != "200":
-        pytest.skip(f"{model['name']} is not serving: GET {url} answered {code or 'nothing'}")
+        pytest.fail(f"{model['name']} is not serving: GET {url} answered {code or 'nothing'}",
+                    pytrace=False)
 
 
 def _trusted_client(data: dict) -> tuple:

@@ -11,7 +11,7 @@ import pytest
 from boxcheck import as_user, check, missing, sass_archs, sm, unit_env, user_home, venv_json
 from testinfra.host import Host
 
-from donorkit.operations import driver_at_least
+from donorkit.box_operations import driver_at_least
 
 VERSIONS = ("import importlib.metadata as md, json\n"
             "def version(name):\n"
@@ -53,7 +53,7 @@ def test_torch_cuda_major_matches_nvcc(host: Host, data: dict) -> None:
 
 def test_exllamav3_ext_built_for_card(host: Host, data: dict) -> None:
     path = venv_json(host, data["venv_dir"], EXT, "import exllamav3_ext")
-    want = sm(data["card"]["arch"])
+    want = sm(data["card"].arch)
     found, how = sass_archs(host, data["cuda_home"], f"{data['venv_dir']}/bin/python", path)
     print(f"{path}: SASS for {sorted(found)} (from {how})")
     assert want in found, f"{path} has no {want} code (has {sorted(found)}, from {how})"
@@ -73,9 +73,9 @@ def _gpus(host: Host) -> list[tuple[str, str, str]]:
 def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
     card = data["card"]
     for name, cap, _ in _gpus(host):
-        assert (name, cap) == (card["gpu_name"], card["arch"]), (
-            f"GPU {name} (compute {cap}) is not the inventory's {card['name']}: "
-            f"{card['gpu_name']} (compute {card['arch']})")
+        assert (name, cap) == (card.gpu_name, card.arch), (
+            f"GPU {name} (compute {cap}) is not the inventory's {card.name}: "
+            f"{card.gpu_name} (compute {card.arch})")
 
 
 def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: dict) -> None:
@@ -84,7 +84,7 @@ def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: dict) -> None:
     for name, _, driver in _gpus(host):
         assert driver_at_least(driver, minimum), (
             f"{name}: NVIDIA driver {driver} is older than {minimum}, the minimum for CUDA "
-            f"{data['card']['cuda']} (card profile '{data['card']['name']}')")
+            f"{data['card'].cuda} (card profile '{data['card'].name}')")
 
 
 TORCH_SEES_GPU = ("import json, torch; print(json.dumps([torch.cuda.is_available(), "
