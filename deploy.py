@@ -6,7 +6,13 @@ each hostname to the donors routing it.
 Usage: pyinfra inventory/gpus.py deploy.py [--limit HOST]
 """
 
-from pyinfra import host, local
+from pyinfra import host, local, state
+
+from pyinfra_snapshot import progress
+
+# A long step (CUDA packages, the vLLM venv, the exllamav3 build, the weights) is named in the
+# run every 30 s while it runs, and timed when it ends (pyinfra_snapshot/progress.py).
+progress.register(state)
 
 if "donors" in host.groups:
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no
@@ -26,7 +32,9 @@ if "donors" in host.groups:
     local.include("tasks/units.py")
     local.include("tasks/caddy_repository.py")
     local.include("tasks/caddy.py")
+    local.include("tasks/record_version.py")
 
 if "edges" in host.groups:
     local.include("tasks/caddy_repository.py")
     local.include("tasks/edge_caddy.py")
+    local.include("tasks/record_version.py")
