@@ -2,7 +2,11 @@
 #   make test                         unit tests + ruff (no hosts needed; as root it apt-installs
 #                                     the distro's caddy and systemd-analyze where missing)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
-#   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
+#   make status [LIMIT=...] [JSON=1]  the fleet at a glance: one row per box, every box at once
+#   make lock [BRANCH=main] [ALL=1]   pin each served model's checkpoint to the branch's commit
+#   make verify [LIMIT=...]           verification suite against the fleet (honours DONORS_FILE)
+#                                     LIMIT everywhere: names, groups (donors, edges, a card
+#                                     profile), globs (tb-*), a comma list: pyinfra's --limit
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
 #   make rollout [BATCH=N] [FROM=host] [INVENTORY=file] [PLAN=1] [UNLOCK=1]
 #                                     the fleet a batch at a time, each back in service before
@@ -17,7 +21,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv test testbed verify render lint rollout accept gpu-engine-carry
+.PHONY: venv test testbed verify render lint rollout accept gpu-engine-carry status lock
 
 venv: $(VENV)/.installed
 
@@ -51,3 +55,9 @@ accept: venv
 
 gpu-engine-carry: venv
 	$(BIN)/python gpu/engine_carry.py
+
+status: venv
+	$(BIN)/python -m donorkit.status $(if $(LIMIT),--limit "$(LIMIT)") $(if $(JSON),--json)
+
+lock: venv
+	$(BIN)/python -m donorkit.lock $(if $(BRANCH),--branch "$(BRANCH)") $(if $(ALL),--all)

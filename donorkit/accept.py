@@ -36,6 +36,7 @@ import asyncio
 import json
 import re
 import secrets
+import socket
 import ssl
 import statistics
 import sys
@@ -50,6 +51,7 @@ import httpx2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from donorkit.fleet import REPO_ROOT, FleetError, load_inventory
+from donorkit.limit import LimitError, select
 from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT, PkiError
 from donorkit.render import pki_for
@@ -592,6 +594,12 @@ async def run(targets: list[Target], results_dir: Path,
         started = datetime.now(timezone.utc)
         record = records.setdefault(target.donor, new_record(target, started))
         t0 = time.monotonic()
+        if record.get("unreachable"):
+            continue
+        why = unreachable(target.base_url)
+        if why:
+            record["unreachable"] = f"{target.base_url}: {why}"
+            continue
         if target.route:
             say(f"[{target.donor} {target.model}] {target.base_url} as {target.hostname}: "
                 f"{target.route}")
@@ -604,6 +612,8 @@ async def run(targets: list[Target], results_dir: Path,
             + (f": {res['error']}" if res.get("error") else ""))
     results_dir.mkdir(parents=True, exist_ok=True)
     for rec in records.values():
+        if rec.get("unreachable"):  # nothing measured: no record
+            continue
         stamp = rec["started"].replace(":", "").replace("+0000", "Z")
         path = results_dir / f"{rec['donor']}-{stamp}.json"
         path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
@@ -611,12 +621,25 @@ async def run(targets: list[Target], results_dir: Path,
     return list(records.values())
 
 
+def unreachable(base_url: str, timeout: float = 10) -> str | None:
+    """Why no TCP connection opens to where the client would connect (within `timeout`), or
+    None: an unreachable donor is one line, not one failed request per step."""
+    url = httpx2.URL(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.host, port), timeout).close()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make accept", description=__doc__.split("\n\n")[0])
     parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
                                          "inventory/donors.yml)")
     parser.add_argument("--limit", action="append", default=[], metavar="NAME",
-                        help="only these donors (repeatable, or a comma list)")
+                        help="only these donors: names, groups (donors, a card profile) or "
+                             "globs, as pyinfra's --limit (repeatable, or a comma list)")
     parser.add_argument("--via", metavar="URL",
                         help="connect through this base URL (an edge) instead of each donor's "
                              "GPU-side Caddy; the public hostname is still sent as Host")
@@ -624,22 +647,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         fleet, edges = load_inventory(args.donors)
-        wanted = [n for item in args.limit for n in item.split(",") if n]
-        unknown = [n for n in wanted if n not in fleet]
-        if unknown:
-            raise FleetError(f"--limit: unknown donor(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(fleet))})")
-        if wanted:
-            fleet = {n: d for n, d in fleet.items() if n in wanted}
+        fleet = select(args.limit, fleet, edges)[0]
+        if not fleet:
+            raise FleetError(f"--limit {','.join(args.limit)}: selects no donor")
         targets = targets_from_fleet(fleet, args.via, edges)
-    except (FleetError, PkiError, ValidationError) as exc:
+    except (FleetError, PkiError, ValidationError, LimitError) as exc:
         print(f"accept: {exc}".splitlines()[0], file=sys.stderr)
         return 2
     first = next(iter(fleet.values()))
     results_dir = Path(args.results) if args.results else \
         REPO_ROOT / first["acceptance"]["results_dir"]
     records = asyncio.run(run(targets, results_dir))
-    print(summary_table(records))
+    gone = [rec for rec in records if rec.get("unreachable")]
+    records = [rec for rec in records if not rec.get("unreachable")]
+    if records:
+        print(summary_table(records))
     problems = [p for rec in records for p in failures(rec)]
     for rec in records:
         print(f"record: {rec['path']}")
@@ -648,7 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rec['donor']} ({rec['card']}): {reason}")
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    for rec in gone:
+        print(f"UNREACHABLE {rec['donor']} ({rec['unreachable']})", file=sys.stderr)
+    return 1 if problems or gone else 0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import datetime as dt
 import getpass
 import http.client
 import json
+import logging
 import os
 import runpy
 import secrets
@@ -162,7 +163,7 @@ class Remote:
     """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
     unknown or changed host key is refused; sudo for a user other than root)."""
 
-    def __init__(self, data: dict) -> None:
+    def __init__(self, data: dict, timeout: float = 30) -> None:
         import paramiko
 
         self._client = paramiko.SSHClient()
@@ -174,7 +175,7 @@ class Remote:
         self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
         self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
                              username=data["ssh_user"], key_filename=data.get("ssh_key"),
-                             timeout=30, banner_timeout=30, auth_timeout=30)
+                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
         self._sudo = bool(data.get("_sudo"))
 
     def run(self, command: str) -> tuple[int, str]:
@@ -262,6 +263,17 @@ class RolloutLocked(Exception):
     """Another rollout holds a box's lock; the message is the one line to print."""
 
 
+class Unreachable(Exception):
+    """SSH to a box or an edge failed; the message names which, where, and the cause."""
+
+    def __init__(self, host: Box | Edge, exc: BaseException) -> None:
+        data = host.data
+        kind = "edge" if data.get("role") == "edge" else "box"
+        super().__init__(f"{kind} {host.name} ({data['ssh_user']}@{data['ssh_hostname']}:"
+                         f"{data.get('ssh_port', 22)}) unreachable: "
+                         + f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to the box's address, with the public hostname as SNI and Host (as the edge does)."""
 
@@ -314,7 +326,10 @@ class Fleet:
 
     def remote(self, host: Box | Edge) -> Remote:
         if host.name not in self._remotes:
-            self._remotes[host.name] = Remote(host.data)
+            try:
+                self._remotes[host.name] = Remote(host.data)
+            except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+                raise Unreachable(host, exc) from None
         return self._remotes[host.name]
 
     def close(self) -> None:
@@ -509,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan_text(batches, edges, serving)), flush=True)
         return 0
 
+    # paramiko's transport thread logs a failed handshake with a traceback; Unreachable says it.
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
     fleet = Fleet(boxes, edges)
     if args.unlock:
         return unlock_all(fleet)
@@ -521,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout: refused: {exc} (if that rollout is gone: make rollout UNLOCK=1)",
               file=sys.stderr, flush=True)
         return 2
+    except Unreachable as exc:
+        print(f"\nrollout: STOPPED: {exc}" + stopped_at(args), file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("\nrollout: INTERRUPTED" + stopped_at(args), file=sys.stderr, flush=True)
         return 130
