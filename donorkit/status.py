@@ -50,9 +50,10 @@ def donor_command(data: dict) -> str:
     """One shell command: sections `== name` with what the box says about itself."""
     units = " ".join(q(m["unit"]) for m in data["models"].values())
     site = f"{data['venv_dir']}/lib/python3*/site-packages"
+    gpu = ("echo 'cpu engine, -, -, -, -'" if data["card"]["engine"] == "cpu" else
+           f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4")
     return "; ".join([
-        "echo '== gpu'",
-        f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4",
+        "echo '== gpu'", gpu,
         "echo '== uptime'", "cut -d' ' -f1 /proc/uptime",
         f"for u in {units}; do echo \"== unit $u\"; systemctl show --no-pager -p ActiveState "
         "-p SubState -p ActiveEnterTimestampMonotonic -p ExecStart \"$u\"; done",
