@@ -10,7 +10,7 @@
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
 #   make rollout [BATCH=N] [FROM=host] [INVENTORY=file] [PLAN=1] [UNLOCK=1]
 #                                     the fleet a batch at a time, each back in service before
-#                                     the next (python -m donorkit.rollout; README "Upgrading the fleet");
+#                                     the next (python -m donorkit.rollout; README "Upgrades and swaps");
 #                                     PLAN=1 prints the plan and touches nothing; UNLOCK=1 clears
 #                                     a stale rollout lock
 #   make accept [LIMIT=host] [VIA=url] acceptance run per donor through its public hostname
@@ -26,6 +26,7 @@ PYTHON ?= python3
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "the operator's machine needs Python 3.11 or newer ($(PYTHON) is $$($(PYTHON) -V 2>&1)): install python3.11 and python3.11-venv and add PYTHON=python3.11" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
 	touch $@

@@ -373,6 +373,11 @@ async def _tool_case(client, model: str, case: ToolCase, forced: bool) -> dict:
 async def measure(target: Target, progress: Callable[[str], None]) -> dict:
     """Every figure and check of one target, as the record's `results` (exceptions propagate)."""
     w = target.workload
+    why = await asyncio.to_thread(unreachable, target.base_url)
+    if why:
+        raise Unreachable(f"{target.base_url}: {why}")
+    if target.route:
+        progress(f"{target.base_url} as {target.hostname}: {target.route}")
     out: dict[str, Any] = {"figures": {}, "checks": {}, "details": {}}
     client, http = _client(target)
     async with client:
@@ -535,6 +540,8 @@ async def accept_target(target: Target, progress: Callable[[str], None]) -> dict
     acc = target.card_acceptance
     try:
         res = await measure(target, progress)
+    except Unreachable as exc:
+        return {"unreachable": str(exc)}
     except Exception as exc:  # noqa: BLE001 - one donor's failure is recorded, the run goes on
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:500]}
     res["figures_compared"] = acc.compare_figures
@@ -596,16 +603,12 @@ async def run(targets: list[Target], results_dir: Path,
         t0 = time.monotonic()
         if record.get("unreachable"):
             continue
-        why = unreachable(target.base_url)
-        if why:
-            record["unreachable"] = f"{target.base_url}: {why}"
-            continue
-        if target.route:
-            say(f"[{target.donor} {target.model}] {target.base_url} as {target.hostname}: "
-                f"{target.route}")
         res = await accept_target(
             target, lambda text, t=target, t0=t0: say(f"[{t.donor} {t.model} "
                                                       f"{time.monotonic() - t0:5.1f}s] {text}"))
+        if "unreachable" in res:
+            record["unreachable"] = res["unreachable"]
+            continue
         res["elapsed_s"] = time.monotonic() - t0
         record["results"][target.model] = res
         say(f"[{target.donor} {target.model}] done in {res['elapsed_s']:.1f} s"
@@ -619,6 +622,10 @@ async def run(targets: list[Target], results_dir: Path,
         path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
         rec["path"] = str(path)
     return list(records.values())
+
+
+class Unreachable(Exception):
+    """No connection opens to where the client would connect: one line, no record."""
 
 
 def unreachable(base_url: str, timeout: float = 10) -> str | None:
