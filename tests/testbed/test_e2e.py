@@ -1148,7 +1148,7 @@ def test_a_stopped_box_is_one_line_everywhere(hosts: dict[str, Host], tmp_path: 
     assert [line for line in out.splitlines() if SECOND in line] == [
         line for line in out.splitlines() if line.startswith(f"UNREACHABLE {SECOND} ")], out
     assert len([line for line in out.splitlines() if SECOND in line]) == 1, out
-    assert "passed" not in out and "error" not in out.lower(), out
+    assert not re.search(r"\d+ (passed|errors?|failed)\b", out), out  # no count of checks
 
     rc, out = make("accept", f"LIMIT={SECOND}")
     print(out)
