@@ -194,7 +194,7 @@ def test_make_status_reads_the_real_engines_metrics(box: Host, data: dict) -> No
     /metrics through its Caddy (vllm:num_requests_running/_waiting, vllm:kv_cache_usage_perc);
     while a long generation runs, the running count shows it."""
     model = data["models"]["tiny"]
-    body = json.dumps({"model": model["checkpoint"], "prompt": "count", "max_tokens": 3000,
+    body = json.dumps({"model": model["checkpoint"], "prompt": "count", "max_tokens": 4000,
                        "ignore_eos": True, "temperature": 0})
     generation = subprocess.Popen(
         [*bed.ssh_command(box), f"curl -s -o /dev/null -H 'Content-Type: application/json' "
