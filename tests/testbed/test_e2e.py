@@ -1043,12 +1043,13 @@ def test_make_lock_pins_the_revision_from_the_hub(hosts: dict[str, Host], tmp_pa
     branch's commit written into the donors file that pins it, old -> new shown; with the hub
     out of reach it refuses and writes nothing."""
     stale = tmp_path / "donors.yml"
-    stale.write_text(DONORS.read_text().replace(FIXED_REVISION, "0" * 40))
+    old = "deadbeef" * 5  # (40 zeros would be YAML's integer 0: the schema refuses it)
+    stale.write_text(DONORS.read_text().replace(FIXED_REVISION, old))
     rc, out = make("lock", donors=stale)
     print(out)
     assert rc == 0, out
     assert (f"lock: {stale}: overrides.models.qwen: turboderp/Qwen3.8-27B-exl3 @ main: "
-            f"{'0' * 40} -> {FIXED_REVISION} (served by tb-4090, tb-4090b, tb-3090, "
+            f"{old} -> {FIXED_REVISION} (served by tb-4090, tb-4090b, tb-3090, "
             "tb-olddriver)") in out, out
     assert stale.read_text() == DONORS.read_text()  # only that line changed, back to the hub's
     offline = tmp_path / "offline.yml"
