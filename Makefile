@@ -4,11 +4,15 @@
 #   make test                         unit tests + ruff (no hosts needed; needs the distro's caddy
 #                                     and systemd-analyze, named with the apt line when missing)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
-#   make verify [LIMIT=host]          verification suite against the fleet (honours DONORS_FILE)
+#   make status [LIMIT=...] [JSON=1]  the fleet at a glance: one row per box, every box at once
+#   make lock [BRANCH=main] [ALL=1]   pin each served model's checkpoint to the branch's commit
+#   make verify [LIMIT=...]           verification suite against the fleet (honours DONORS_FILE)
+#                                     LIMIT everywhere: names, groups (donors, edges, a card
+#                                     profile), globs (tb-*), a comma list: pyinfra's --limit
 #   make render HOST=name OUT=dir     every file the deploy would write to HOST (donor or edge), under OUT
 #   make rollout [BATCH=N] [FROM=host] [INVENTORY=file] [PLAN=1] [UNLOCK=1]
 #                                     the fleet a batch at a time, each back in service before
-#                                     the next (python -m donorkit.rollout; README "Upgrading the fleet");
+#                                     the next (python -m donorkit.rollout; README "Upgrades and swaps");
 #                                     PLAN=1 prints the plan and touches nothing; UNLOCK=1 clears
 #                                     a stale rollout lock
 #   make accept [LIMIT=host] [VIA=url] acceptance run per donor through its public hostname
@@ -19,12 +23,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv venv-test test testbed verify render lint rollout accept gpu-engine-carry
+.PHONY: venv venv-test test testbed verify render lint rollout accept gpu-engine-carry status lock
 
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "the operator's machine needs Python 3.11 or newer ($(PYTHON) is $$($(PYTHON) -V 2>&1)): install python3.11 and python3.11-venv and add PYTHON=python3.11" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e .
 	touch $@
@@ -58,3 +63,9 @@ accept: venv
 
 gpu-engine-carry: venv
 	$(BIN)/python -m gpu.engine_carry
+
+status: venv
+	$(BIN)/python -m donorkit.status $(if $(LIMIT),--limit "$(LIMIT)") $(if $(JSON),--json)
+
+lock: venv
+	$(BIN)/python -m donorkit.lock $(if $(BRANCH),--branch "$(BRANCH)") $(if $(ALL),--all)

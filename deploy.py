@@ -6,8 +6,9 @@ each hostname to the donors routing it. Each step is one module of tasks/ (a pyi
 Usage: pyinfra inventory/gpus.py deploy.py [--limit HOST]
 """
 
-from pyinfra import host
+from pyinfra import host, state
 
+from pyinfra_declared import progress
 from tasks import (
     build_tools,
     caddy,
@@ -17,11 +18,16 @@ from tasks import (
     exllamav3,
     plugin,
     preflight,
+    record_version,
     service_user,
     units,
     vllm_venv,
     weights,
 )
+
+# A long step (CUDA packages, the vLLM venv, the exllamav3 build, the weights) is named in the
+# run every 30 s while it runs, and timed when it ends (pyinfra_declared/progress.py).
+progress.register(state)
 
 if "donors" in host.groups:
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no
@@ -41,7 +47,9 @@ if "donors" in host.groups:
     units.apply()
     caddy_repository.apply()
     caddy.apply()
+    record_version.apply()
 
 if "edges" in host.groups:
     caddy_repository.apply()
     edge_caddy.apply()
+    record_version.apply()

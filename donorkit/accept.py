@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import re
 import secrets
+import socket
 import ssl
 import statistics
 import sys
@@ -65,6 +66,7 @@ from donorkit.acceptance import (
     targets_from_fleet,
 )
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.limit import LimitError, select
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import PkiError
 from donorkit.transport import client_context
@@ -167,6 +169,11 @@ async def _tool_case(client, model: str, case: ToolCase, forced: bool) -> dict:
 async def measure(target: Target, progress: Callable[[str], None]) -> dict:
     """Every figure and check of one target, as the record's `results` (exceptions propagate)."""
     w = target.workload
+    why = await asyncio.to_thread(unreachable, target.base_url)
+    if why:
+        raise Unreachable(f"{target.base_url}: {why}")
+    if target.route:
+        progress(f"{target.base_url} as {target.hostname}: {target.route}")
     out: dict[str, Any] = {"figures": {}, "checks": {}, "details": {}}
     client, http = _client(target)
     async with client:
@@ -238,6 +245,8 @@ async def accept_target(target: Target, progress: Callable[[str], None]) -> dict
     acc = target.card_acceptance
     try:
         res = await measure(target, progress)
+    except Unreachable as exc:
+        return {"unreachable": str(exc)}
     except Exception as exc:  # noqa: BLE001 - one donor's failure is recorded, the run goes on
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:500]}
     res["figures_compared"] = acc.compare_figures
@@ -247,21 +256,27 @@ async def accept_target(target: Target, progress: Callable[[str], None]) -> dict
 
 
 async def run(targets: list[Target], results_dir: Path,
-              progress: Callable[[str], None] | None = None) -> list[Record]:
+              progress: Callable[[str], None] | None = None,
+              unreachable_out: dict[str, str] | None = None) -> list[Record]:
     """Accept every target (donor by donor: the figures of one box are not shared with another's
-    load); write one record per donor; return the records."""
+    load); write one record per donor; return the records. A donor no connection opens to gets
+    no record: its cause goes into `unreachable_out` (donor -> why), once."""
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
+    gone = unreachable_out if unreachable_out is not None else {}
     records: dict[str, Record] = {}
     for target in targets:
+        if target.donor in gone:
+            continue
         started = datetime.now(timezone.utc).replace(microsecond=0)
         record = records.setdefault(target.donor, new_record(target, started))
         t0 = time.monotonic()
-        if target.route:
-            say(f"[{target.donor} {target.model}] {target.base_url} as {target.hostname}: "
-                f"{target.route}")
         res = await accept_target(
             target, lambda text, t=target, t0=t0: say(f"[{t.donor} {t.model} "
                                                       f"{time.monotonic() - t0:5.1f}s] {text}"))
+        if "unreachable" in res:
+            gone[target.donor] = res["unreachable"]
+            records.pop(target.donor)
+            continue
         result = ModelResults.model_validate({**res, "elapsed_s": time.monotonic() - t0})
         record.results[target.model] = result
         say(f"[{target.donor} {target.model}] done in {result.elapsed_s:.1f} s"
@@ -275,12 +290,29 @@ async def run(targets: list[Target], results_dir: Path,
     return list(records.values())
 
 
+class Unreachable(Exception):
+    """No connection opens to where the client would connect: one line, no record."""
+
+
+def unreachable(base_url: str, timeout: float = 10) -> str | None:
+    """Why no TCP connection opens to where the client would connect (within `timeout`), or
+    None: an unreachable donor is one line, not one failed request per step."""
+    url = httpx2.URL(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.host, port), timeout).close()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make accept", description=__doc__.split("\n\n")[0])
     parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
                                          "inventory/donors.yml)")
     parser.add_argument("--limit", action="append", default=[], metavar="NAME",
-                        help="only these donors (repeatable, or a comma list)")
+                        help="only these donors: names, groups (donors, a card profile) or "
+                             "globs, as pyinfra's --limit (repeatable, or a comma list)")
     parser.add_argument("--via", metavar="URL",
                         help="connect through this base URL (an edge) instead of each donor's "
                              "GPU-side Caddy; the public hostname is still sent as Host")
@@ -288,22 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         fleet, edges = load_inventory(args.donors)
-        wanted = [n for item in args.limit for n in item.split(",") if n]
-        unknown = [n for n in wanted if n not in fleet]
-        if unknown:
-            raise FleetError(f"--limit: unknown donor(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(fleet))})")
-        if wanted:
-            fleet = {n: d for n, d in fleet.items() if n in wanted}
+        fleet = select(args.limit, fleet, edges)[0]
+        if not fleet:
+            raise FleetError(f"--limit {','.join(args.limit)}: selects no donor")
         targets = targets_from_fleet(fleet, args.via, edges)
-    except (FleetError, PkiError, ValidationError) as exc:
+    except (FleetError, PkiError, ValidationError, LimitError) as exc:
         print(f"accept: {exc}".splitlines()[0], file=sys.stderr)
         return 2
     first = next(iter(fleet.values()))
     results_dir = Path(args.results) if args.results else \
         REPO_ROOT / first["acceptance"]["results_dir"]
-    records = asyncio.run(run(targets, results_dir))
-    print(summary_table(records))
+    gone: dict[str, str] = {}
+    records = asyncio.run(run(targets, results_dir, unreachable_out=gone))
+    if records:
+        print(summary_table(records))
     problems = [p for rec in records for p in failures(rec)]
     for rec in records:
         print(f"record: {rec.path}")
@@ -311,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {rec.donor} ({rec.card}): {rec.policy.reason}")
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    for donor, why in gone.items():
+        print(f"UNREACHABLE {donor} ({why})", file=sys.stderr)
+    return 1 if problems or gone else 0
 
 
 if __name__ == "__main__":

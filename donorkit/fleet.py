@@ -405,6 +405,21 @@ def load_inventory(donors_path: Path | str | None = None,
     return fleet, edges
 
 
+def check_revisions(fleet: dict[str, dict], donors_path: Path | str | None = None) -> None:
+    """Every model a donor serves has its checkpoint's commit pinned (`models.<m>.revision`), or
+    one FleetError naming the donors file, the donor and the field: refused before any
+    connection, not at the weights step after CUDA, vLLM and exllamav3 were installed. A
+    checkpoint that is a path on the box has no revision."""
+    where = donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE
+    for name, data in fleet.items():
+        for model, profile in data["models"].items():
+            if profile.get("revision") or profile["checkpoint"].startswith("/"):
+                continue
+            raise FleetError(f"{where}: donor '{name}': field 'models.{model}.revision': not "
+                             f"pinned: `make lock` resolves {profile['checkpoint']} at its "
+                             "branch (main) to its commit and writes it in")
+
+
 def driver_minimum(minimums: dict[str, str], cuda: str | None,
                    variant: str | None) -> dict[str, str | None]:
     """The oldest driver this box may have (`driver_minimum`) and the CUDA version that sets

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from donorkit.fleet import FleetError, load_inventory
+from donorkit.fleet import FleetError, check_revisions, load_inventory
 from donorkit.paths import pki_dir
 from donorkit.pki import Pki, PkiError
 from pyinfra_declared import ssh_socket
@@ -18,12 +18,16 @@ def fleet_or_exit(donors_path: Path | str | None = None,
     return inventory_or_exit(donors_path, require_local_sources)[0]
 
 
-def inventory_or_exit(donors_path: Path | str | None = None, require_local_sources: bool = True
+def inventory_or_exit(donors_path: Path | str | None = None, require_local_sources: bool = True,
+                      require_revisions: bool = True
                       ) -> tuple[dict[str, dict], dict[str, dict]]:
     """load_inventory (donors, edges), but a user mistake ends the process with its message and
-    no traceback."""
+    no traceback. A donor serving a model with no pinned revision is such a mistake for
+    everything that deploys (`make render` previews without: `require_revisions=False`)."""
     try:
         fleet, edges = load_inventory(donors_path, require_local_sources=require_local_sources)
+        if require_revisions:
+            check_revisions(fleet, donors_path)
     except FleetError as exc:
         print(f"inventory error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

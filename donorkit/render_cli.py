@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "`edges:`)")
     parser.add_argument("out", type=Path, help="directory to lay the files out under")
     args = parser.parse_args(argv)
-    fleet, edges = inventory_or_exit(require_local_sources=False)
+    # A preview: a model not pinned yet renders without --revision (the deploy refuses it).
+    fleet, edges = inventory_or_exit(require_local_sources=False, require_revisions=False)
     hosts = {**fleet, **edges}
     if args.host not in hosts:
         print(f"render: no donor or edge named '{args.host}' "

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -92,6 +93,17 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str,
         return f"{hostname}: {type(e).__name__}: {e}"
 
 
+class Unreachable(Exception):
+    """SSH to a box or an edge failed; the message names which, where, and the cause."""
+
+    def __init__(self, host: Box | Edge, exc: BaseException) -> None:
+        data = host.data
+        kind = "edge" if data.get("role") == "edge" else "box"
+        super().__init__(f"{kind} {host.name} ({data['ssh_user']}@{data['ssh_hostname']}:"
+                         f"{data.get('ssh_port', 22)}) unreachable: "
+                         + f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
 class RolloutHosts:
     """The boxes, the edges, and SSH connections to them opened when first needed."""
 
@@ -101,7 +113,10 @@ class RolloutHosts:
 
     def remote(self, host: Box | Edge) -> SshRunner:
         if host.name not in self._remotes:
-            self._remotes[host.name] = SshRunner(host.data)
+            try:
+                self._remotes[host.name] = SshRunner(host.data)
+            except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+                raise Unreachable(host, exc) from None
         return self._remotes[host.name]
 
     def close(self) -> None:
@@ -292,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan_text(batches, edges, serving)), flush=True)
         return 0
 
+    # paramiko's transport thread logs a failed handshake with a traceback; Unreachable says it.
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
     fleet = RolloutHosts(boxes, edges)
     if args.unlock:
         return unlock_all(fleet)
@@ -304,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout: refused: {exc} (if that rollout is gone: make rollout UNLOCK=1)",
               file=sys.stderr, flush=True)
         return 2
+    except Unreachable as exc:
+        print(f"\nrollout: STOPPED: {exc}" + stopped_at(args), file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("\nrollout: INTERRUPTED" + stopped_at(args), file=sys.stderr, flush=True)
         return 130

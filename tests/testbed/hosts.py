@@ -73,8 +73,10 @@ def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, s
     defaults = read_yaml(REPO_ROOT / "inventory/defaults.yml")
     donor = (read_yaml(DONORS).get("donors") or {}).get(name) or {}
     card = defaults["cards"][donor.get("card", "rtx4090")]
+    # Memory and utilisation (what `make status` reads): a 24 GiB card, a little in use.
     return {"name": card["gpu_name"], "compute_cap": card["arch"],
-            "driver_version": (drivers or {}).get(name, GOOD_DRIVER)}
+            "driver_version": (drivers or {}).get(name, GOOD_DRIVER),
+            "memory.used": "1234", "memory.total": "24564", "utilization.gpu": "3"}
 
 
 def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,

@@ -132,7 +132,9 @@ def test_pyinfra_entry_point_prints_one_line_and_no_traceback(tmp_path: Path) ->
 
 
 def test_pyinfra_inventory_groups_by_card(tmp_path: Path) -> None:
-    path = write(tmp_path, GOOD + "overrides:\n  vllm_exl3_plugin: {path: tests}\n")
+    # Revisions pinned (the deploy's inventory refuses a served model without one).
+    pins = f"  models: {{qwen: {{revision: {'a' * 40}}}, hermes: {{revision: {'b' * 40}}}}}\n"
+    path = write(tmp_path, GOOD + "overrides:\n  vllm_exl3_plugin: {path: tests}\n" + pins)
     env = {"DONORS_FILE": str(path), "PATH": str(Path(sys.executable).parent)}
     result = subprocess.run([str(Path(sys.executable).parent / "pyinfra"), "inventory/gpus.py",
                              "debug-inventory"], cwd=REPO_ROOT, env=env, capture_output=True,

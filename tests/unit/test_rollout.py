@@ -104,7 +104,9 @@ def donors_file(tmp_path: Path) -> Path:
            "edges": {"e1": {"ssh_host": "192.0.2.9", "ssh_user": "root", "hostnames": "all",
                             "rate_limit": None}},
            # The inventory file checks that a local plugin source exists: the testbed's does.
-           "overrides": {"vllm_exl3_plugin": {"path": "tests/testbed/standins/vllm-exl3"}}}
+           "overrides": {"vllm_exl3_plugin": {"path": "tests/testbed/standins/vllm-exl3"},
+                         # Pinned: the deploy's inventory refuses a served model without one.
+                         "models": {"qwen": {"revision": "a" * 40}}}}
     path = tmp_path / "donors.yml"
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -5,7 +5,7 @@ the box with what the inventory says it should be:
 
     pytest tests/verify                          # every donor: inventory/donors.yml or $DONORS_FILE
     pytest tests/verify --donors other.yml       # another donors file
-    pytest tests/verify --limit hermes-4090      # only some donors or edges (repeat, or NAME,NAME)
+    pytest tests/verify --limit hermes-4090      # names, groups, globs (pyinfra's --limit)
     pytest tests/verify --on-box h200-lent       # on the box itself, for donor NAME (no SSH)
     pytest tests/verify -n auto                  # hosts in parallel (pytest-xdist)
     pytest tests/verify --collect-only           # lists the checks; connects nowhere
@@ -30,7 +30,9 @@ not 200); on a box where systemd is PID 1 anything the deploy lays down that is 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import paramiko
 import pytest
@@ -39,6 +41,7 @@ from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.limit import LimitError, select
 
 CONNECT_TIMEOUT_S = 10
 
@@ -48,7 +51,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--donors", metavar="PATH",
                     help="donors file to verify (default: $DONORS_FILE or inventory/donors.yml)")
     group.addoption("--limit", action="append", default=[], metavar="NAME",
-                    help="verify only these donors (repeatable, or a comma list)")
+                    help="only these hosts: names, groups (donors, edges, a card profile) or "
+                         "globs, as pyinfra's --limit (repeatable, or a comma list)")
     group.addoption("--on-box", metavar="NAME",
                     help="run on the box itself (testinfra local://) as donor NAME; no SSH")
     group.addoption("--known-hosts", metavar="PATH",
@@ -78,15 +82,19 @@ def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
     except FleetError as exc:
         raise pytest.UsageError(f"inventory: {exc}") from None
     on_box = _option(config, "on_box")
-    limit = [n for item in _option(config, "limit", []) for n in item.split(",") if n]
-    wanted = ([on_box] if on_box else []) + limit
-    unknown = [n for n in wanted if n not in fleet and n not in edges]
-    if unknown:
-        raise pytest.UsageError(f"unknown donor(s) {', '.join(unknown)}; "
-                                f"the inventory has {', '.join(sorted([*fleet, *edges]))}")
-    names = [on_box] if on_box else (limit or sorted([*fleet, *edges]))
+    if on_box and on_box not in fleet:
+        raise pytest.UsageError(f"--on-box {on_box}: no such donor; the inventory has "
+                                f"{', '.join(sorted(fleet))}")
+    try:
+        donors, chosen_edges = select([on_box] if on_box else _option(config, "limit", []),
+                                      fleet, edges)
+    except LimitError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    # Boxes the controller could not reach (pytest_configure below): one line each, no checks.
+    gone = set(_unreachable(config))
     config._verify_selection = (  # type: ignore[attr-defined]
-        {n: fleet[n] for n in names if n in fleet}, {n: edges[n] for n in names if n in edges})
+        {n: d for n, d in donors.items() if n not in gone},
+        {n: d for n, d in chosen_edges.items() if n not in gone})
     return config._verify_selection  # type: ignore[attr-defined]
 
 
@@ -100,9 +108,88 @@ def selected_edges(config: pytest.Config) -> dict[str, dict]:
     return _select(config)[1]
 
 
+def _unreachable(config: pytest.Config) -> dict[str, str]:
+    """{host: why} of the boxes the controller could not reach: probed there once
+    (pytest_configure), handed to xdist's workers in their workerinput."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        return worker.get("uncloseai_unreachable", {})
+    return getattr(config, "_unreachable", {})
+
+
+def _probe(config: pytest.Config) -> dict[str, str]:
+    """Every selected box at once, `true` over SSH with the suite's own connection (bounded by
+    CONNECT_TIMEOUT_S): {host: why} for those that do not answer."""
+    if _option(config, "on_box") or config.option.collectonly:
+        return {}
+    donors, edges = _select(config)
+    boxes = {**donors, **edges}
+    if not boxes:
+        return {}
+
+    def why(data: dict) -> str | None:
+        box = make_host(data, False, _option(config, "known_hosts"),
+                        bool(_option(config, "accept_unknown_host_keys", False)))
+        try:
+            probe = box.run("true")
+        except Exception as exc:  # noqa: BLE001 - every way of not reaching the box is one line
+            return f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return None if probe.rc == 0 else f"`true` exited {probe.rc}: {probe.stderr.strip()}"
+
+    # paramiko's transport thread logs each failed handshake with a traceback: the cause is
+    # said once below, in the box's line.
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+    with ThreadPoolExecutor(max_workers=min(16, len(boxes))) as pool:
+        causes = dict(zip(boxes, pool.map(why, boxes.values()), strict=True))
+    return {name: cause for name, cause in causes.items() if cause}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A bad inventory or an unknown --limit name is one usage error, before any collection.
     selected_donors(config)
+    if getattr(config, "workerinput", None) is not None:
+        return
+    gone = _probe(config)
+    if gone:
+        config._unreachable = gone  # type: ignore[attr-defined]
+        config._verify_selection = None  # type: ignore[attr-defined]
+        selected_donors(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A check with no box left to run on (none selected of its kind, or all unreachable) is
+    deselected, not reported as a skip per check."""
+    empty = [item for item in items if any(
+        str(mark.kwargs.get("reason", "")).startswith("got empty parameter set")
+        for mark in item.iter_markers("skip"))]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if item not in empty]
+
+
+def pytest_configure_node(node) -> None:
+    """xdist (controller): each worker gets the unreachable boxes with its workerinput."""
+    node.workerinput["uncloseai_unreachable"] = _unreachable(node.config)
+
+
+def _unreachable_lines(config: pytest.Config) -> list[str]:
+    fleet, edges = load_inventory(_option(config, "donors"))
+    hosts = {**fleet, **edges}
+    return [f"{name} ({hosts[name]['ssh_user']}@{hosts[name]['ssh_hostname']}:"
+            f"{hosts[name]['ssh_port']}): {why}" for name, why in _unreachable(config).items()]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = _unreachable_lines(config) if _unreachable(config) else []
+    for line in lines:
+        terminalreporter.write_line(f"UNREACHABLE {line}", red=True, bold=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A box not reached is a failed verification, even when every check that ran passed (or
+    none ran: every box unreachable)."""
+    if _unreachable(session.config) and getattr(session.config, "workerinput", None) is None:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _axes(fixturenames: list[str]) -> tuple[str, ...]:

@@ -1,9 +1,17 @@
-"""The suite's own parsers, checked without a host (they decide pass or fail everywhere else)."""
+"""The verification suite's own parsers (tests/verify/boxcheck.py), checked without a host
+(they decide pass or fail everywhere else). Here, in `make test`, not in `make verify`: a
+verification's count is of checks on boxes."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from boxcheck import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "verify"))
+
+from boxcheck import (  # noqa: E402
     SERVICE_PROPERTIES,
     bus_path,
     in_unit_sandbox,

