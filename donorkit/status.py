@@ -51,7 +51,7 @@ def where(data: dict) -> str:
 def donor_command(data: dict) -> str:
     """One shell command: sections `== name` with what the box says about itself."""
     units = " ".join(q(m["unit"]) for m in data["models"].values())
-    site = f"{data['venv_dir']}/lib/python3*/site-packages"
+    site = f"{q(data['venv_dir'])}/lib/python3*/site-packages"  # the glob outside the quotes
     gpu = ("echo 'cpu engine, -, -, -, -'" if data["card"].engine == "cpu" else
            f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4")
     return "; ".join([
