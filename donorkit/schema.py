@@ -172,8 +172,8 @@ Card = Annotated[Annotated[CudaCard, Tag("engine=cuda")] | Annotated[CpuCard, Ta
 
 # vLLM 0.26.0 refuses this variable at engine start for a model with neither sliding-window nor
 # Mamba (linear-attention) layers, and when it is not a multiple of the scheduler block size
-# (vllm/v1/core/kv_cache_coordinator.py, _validate_prefix_cache_retention_interval): it belongs to
-# the model profiles whose checkpoint has such layers, never to every unit.
+# (vllm/v1/core/kv_cache_coordinator.py): it belongs to the model profiles whose checkpoint has
+# such layers, never to every unit.
 RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 RETENTION_BLOCK = 16  # vLLM's default KV block size on CUDA (--block-size)
 
