@@ -206,6 +206,17 @@ def profile(donors: Path, names: list[str], where: Path) -> None:
         stats.sort_stats("tottime").print_stats(20)
 
 
+def compile_tree(tree: Path) -> None:
+    """Byte-compile a tree's Python, as an operator's Python does at its first run (this
+    machine's sessions run with PYTHONDONTWRITEBYTECODE=1: without this, every timed run of a
+    tree would compile its modules again, and the trees would differ by what they had cached)."""
+    folders = [str(tree / name) for name in ("donorkit", "pyinfra_declared", "pyinfra_snapshot",
+                                             "tasks", "inventory", "bench")
+               if (tree / name).is_dir()]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], check=True,
+                   capture_output=True)
+
+
 def baseline_worktree(rev: str) -> Path:
     path = WORK / "baseline"
     subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT,
@@ -236,6 +247,9 @@ def main() -> int:
     modes = [mode for mode in MODES if mode == "ours" or mode in wanted]
     baseline = baseline_worktree(args.baseline) if "before" in modes else None
     donors = donors_file(names, WORK / "bench-donors.yml")
+    for tree in (REPO_ROOT, baseline):
+        if tree:
+            compile_tree(tree)
     try:
         with bed.testbed(names) as started:
             # The first host alone, then the others: they find the wheels in the shared uv cache

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Tag
 
-from donorkit.schema import CpuCard, CudaCard
+from donorkit.schema import CpuCard, CudaCard, engine_tag
 from donorkit.values import Name
 
 
@@ -31,13 +31,8 @@ class CpuHostCard(_AsPyinfraData, CpuCard):
     name: Name
 
 
-def _engine(card: Any) -> str:
-    engine = card.get("engine", "cuda") if isinstance(card, dict) else getattr(card, "engine", "")
-    return f"engine={engine}"
-
-
 HostCard = Annotated[Annotated[CudaHostCard, Tag("engine=cuda")]
-                     | Annotated[CpuHostCard, Tag("engine=cpu")], Discriminator(_engine)]
+                     | Annotated[CpuHostCard, Tag("engine=cpu")], Discriminator(engine_tag)]
 
 
 def host_card(name: str, card: CudaCard | CpuCard) -> CudaHostCard | CpuHostCard:

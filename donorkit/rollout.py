@@ -49,7 +49,6 @@ import argparse
 import http.client
 import json
 import logging
-import os
 import shlex
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 from donorkit.paths import REPO_ROOT
 from donorkit.render import drain_flag
 from donorkit.rollout_plan import (
+    DEFAULT_INVENTORY,
     Box,
     Edge,
     RolloutLocked,
@@ -70,12 +70,12 @@ from donorkit.rollout_plan import (
     new_holder,
     plan_batches,
     plan_text,
+    resume_command,
+    stopped_at,
     unlock_command,
     upstream_requests,
 )
 from donorkit.transport import SshRunner, ca_file, edge_client_pair, https_get, wait_until
-
-DEFAULT_INVENTORY = "inventory/gpus.py"
 
 
 def gpu_side_check(box: Box, hostname: str, checkpoint: str,
@@ -218,48 +218,49 @@ class RolloutHosts:
         if rc != 0:
             return since, f"creating its drain flag: {out}"
         deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        def logged_down(edge: Edge, address: str) -> str | None:
+            seen = edge_sees(self.edge_events(edge, address, since[edge.name]),
+                             since[edge.name], 0, 0)
+            return None if seen == "down" else (
+                f"{edge.name} logged no failed health check for {address}")
+
+        def idle(edge: Edge, address: str) -> str | None:
+            return (f"{edge.name} still has requests in flight to {address}"
+                    if self.in_flight(edge, address) else None)
+
         for edge, address in pooled:
-            while edge_sees(self.edge_events(edge, address, since[edge.name]),
-                            since[edge.name], 0, 0) != "down":
-                if time.monotonic() > deadline:
-                    return since, f"{edge.name} logged no failed health check for {address}"
-                time.sleep(0.5)
+            why = wait_until(lambda e=edge, a=address: logged_down(e, a), left(), 0.5)
+            if why:
+                return since, why
         # Every checker of each edge has had its turn; then no request may be on its way.
         time.sleep(max(edge.health_wait for edge, _ in pooled))
         for edge, address in pooled:
-            while self.in_flight(edge, address):
-                if time.monotonic() > deadline:
-                    return since, f"{edge.name} still has requests in flight to {address}"
-                time.sleep(0.5)
+            why = wait_until(lambda e=edge, a=address: idle(e, a), left(), 0.5)
+            if why:
+                return since, why
         return since, None
 
     def wait_back(self, box: Box, since: dict[str, float], timeout: float) -> str | None:
         """Each edge's health checker has logged the box up after it was taken out, and no
         failure since for one health interval + timeout."""
         deadline = time.monotonic() + timeout
+
+        def logged_up(edge: Edge, address: str) -> str | None:
+            seen = edge_sees(self.edge_events(edge, address, since[edge.name]),
+                             since[edge.name], self.edge_clock(edge), edge.health_wait)
+            return None if seen == "up" else (
+                f"{edge.name}'s health check does not see {address} up ({seen})")
+
         for edge, address in self.edges_of(box):
-            while True:
-                now = self.edge_clock(edge)
-                seen = edge_sees(self.edge_events(edge, address, since[edge.name]),
-                                 since[edge.name], now, edge.health_wait)
-                if seen == "up":
-                    break
-                if time.monotonic() > deadline:
-                    return f"{edge.name}'s health check does not see {address} up ({seen})"
-                time.sleep(1)
+            why = wait_until(lambda e=edge, a=address: logged_up(e, a),
+                             max(0.0, deadline - time.monotonic()), 1)
+            if why:
+                return why
         return None
-
-
-def resume_command(args, box: Box) -> str:
-    """The command that goes on from `box` (the same fleet file: DONORS_FILE said again)."""
-    donors = os.environ.get("DONORS_FILE")
-    parts = ["make", "rollout", f"FROM={box.name}"]
-    if args.batch:
-        parts.append(f"BATCH={args.batch}")
-    if args.inventory != DEFAULT_INVENTORY:
-        parts.append(f"INVENTORY={args.inventory}")
-    # An assignment word must stay unquoted before `=` for the shell to take it as one.
-    return (f"DONORS_FILE={shlex.quote(donors)} " if donors else "") + shlex.join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,17 +339,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout: could not remove every lock ({type(exc).__name__}: {exc}); "
                   "clear them with: make rollout UNLOCK=1", file=sys.stderr, flush=True)
         fleet.close()
-
-
-def stopped_at(args) -> str:
-    """The resume line for a run stopped from outside the batch loop's own checks: from the
-    first box of the batch under way (any of its boxes may be out of the pools)."""
-    at = getattr(args, "current", None)
-    if not at:
-        return ""
-    return (f"\n  in batch: {', '.join(b.name for b in at)} (any of them may be out of the "
-            f"edges' pools until a run of it succeeds)\n"
-            f"  resume with: {resume_command(args, at[0])}")
 
 
 def unlock_all(fleet: RolloutHosts) -> int:

@@ -182,3 +182,29 @@ def new_holder() -> str:
 
 class RolloutLocked(Exception):
     """Another rollout holds a box's lock; the message is the one line to print."""
+
+
+DEFAULT_INVENTORY = "inventory/gpus.py"
+
+
+def resume_command(args, box: Box) -> str:
+    """The command that goes on from `box` (the same fleet file: DONORS_FILE said again)."""
+    donors = os.environ.get("DONORS_FILE")
+    parts = ["make", "rollout", f"FROM={box.name}"]
+    if args.batch:
+        parts.append(f"BATCH={args.batch}")
+    if args.inventory != DEFAULT_INVENTORY:
+        parts.append(f"INVENTORY={args.inventory}")
+    # An assignment word must stay unquoted before `=` for the shell to take it as one.
+    return (f"DONORS_FILE={shlex.quote(donors)} " if donors else "") + shlex.join(parts)
+
+
+def stopped_at(args) -> str:
+    """The resume line for a run stopped from outside the batch loop's own checks: from the
+    first box of the batch under way (any of its boxes may be out of the pools)."""
+    at = getattr(args, "current", None)
+    if not at:
+        return ""
+    return (f"\n  in batch: {', '.join(b.name for b in at)} (any of them may be out of the "
+            f"edges' pools until a run of it succeeds)\n"
+            f"  resume with: {resume_command(args, at[0])}")

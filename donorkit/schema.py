@@ -157,22 +157,23 @@ class CpuCard(_CardBase):
     pip_find_links: list[Url] = []          # pip --find-links pages (torch's CPU build)
 
 
-def _engine(card: Any) -> str:
+def engine_tag(card: Any) -> str:
+    """The union's branch of a card profile, from its `engine` (cuda when not said)."""
     engine = card.get("engine", "cuda") if isinstance(card, dict) else getattr(card, "engine", "")
     return f"engine={engine}"
 
 
-# A card profile is one of the two, by its `engine` (cuda when not said). The tag names the
-# branch in pydantic's error locations; the loader leaves it out of the field it names.
+# A card profile is one of the two, by its `engine`; the tag names the branch in pydantic's
+# error locations, and the loader leaves it out of the field it names.
 Card = Annotated[Annotated[CudaCard, Tag("engine=cuda")] | Annotated[CpuCard, Tag("engine=cpu")],
-                 Discriminator(_engine, custom_error_type="card_engine",
+                 Discriminator(engine_tag, custom_error_type="card_engine",
                                custom_error_message="engine must be cuda or cpu")]
 
 
 # vLLM 0.26.0 refuses this variable at engine start for a model with neither sliding-window nor
 # Mamba (linear-attention) layers, and when it is not a multiple of the scheduler block size
-# (vllm/v1/core/kv_cache_coordinator.py, _validate_prefix_cache_retention_interval): it belongs to
-# the model profiles whose checkpoint has such layers, never to every unit.
+# (vllm/v1/core/kv_cache_coordinator.py): it belongs to the model profiles whose checkpoint has
+# such layers, never to every unit.
 RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 RETENTION_BLOCK = 16  # vLLM's default KV block size on CUDA (--block-size)
 

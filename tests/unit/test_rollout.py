@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from donorkit.rollout import resume_command
-from donorkit.rollout_plan import Box, plan_batches
+from donorkit.rollout_plan import Box, plan_batches, resume_command
 from tests.unit.make import make
 
 MODELS = {"qwen": {"checkpoint": "org/qwen"}, "hermes": {"checkpoint": "org/hermes"}}

@@ -12,6 +12,7 @@ from testinfra.host import Host
 
 from donorkit import render
 from donorkit.paths import pki_dir
+from donorkit.values import duration_ns
 
 NS_PER_S = 10**9
 
@@ -40,12 +41,7 @@ def _duration_s(value: object) -> float:
     """Caddy JSON durations are ns integers (or Go duration strings when written by hand)."""
     if isinstance(value, (int, float)):
         return value / NS_PER_S
-    units = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
-    text = str(value)
-    for suffix in ("ms", "s", "m", "h"):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * units[suffix]
-    raise ValueError(f"not a duration: {value!r}")
+    return duration_ns(str(value)) / NS_PER_S  # the one parser (donorkit/values.py)
 
 
 def _adapted(host: Host) -> dict:
