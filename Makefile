@@ -1,8 +1,9 @@
 # The front door. Every target sets up what it needs: the project venv (.venv), this checkout
 # installed editable with the operator's dependencies (pyproject.toml), plus the `test` extra for
 # test and testbed.
-#   make test                         unit tests + ruff (no hosts needed; needs the distro's caddy
-#                                     and systemd-analyze, named with the apt line when missing)
+#   make test                         unit tests + ruff (no hosts needed; the distro's caddy and
+#                                     systemd-analyze: apt-installed as root where missing, else
+#                                     named with the apt line)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make status [LIMIT=...] [JSON=1]  the fleet at a glance: one row per box, every box at once
 #   make lock [BRANCH=main] [ALL=1]   pin each served model's checkpoint to the branch's commit
@@ -42,7 +43,7 @@ lint: venv-test
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m tests.unit.host_tools
+	$(BIN)/python -m tests.unit.host_tools --install
 	$(BIN)/pytest -q tests/unit pyinfra_declared/tests
 
 testbed: venv-test

