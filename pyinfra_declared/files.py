@@ -133,9 +133,13 @@ def config_file(content: str, dest: str, current: dict, current_text: list[str] 
 def config_files(files: list[ConfigFile], current: dict, current_texts: dict | None):
     """Several files as `config_file` installs each, in this order, in one operation (one check
     for all of them): what a step installs together (a Caddy's TLS pair, CA and Caddyfile, the
-    Caddyfile last so that its validation reads the others)."""
-    for file in files:
-        yield from _install(file, current.get(file.dest, {}), (current_texts or {}).get(file.dest))
+    Caddyfile last so that its validation reads the others). Every file is checked (and, under
+    --diff, shown) before the first command: change detection stops at an operation's first
+    command, and each changed file's lines must be in the preview."""
+    planned = [list(_install(file, current.get(file.dest, {}),
+                             (current_texts or {}).get(file.dest))) for file in files]
+    for commands in planned:
+        yield from commands
 
 
 @operation(found=lambda op: need(PathStates, paths=op.paths))

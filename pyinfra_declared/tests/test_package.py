@@ -132,3 +132,23 @@ def test_a_refusal_stops_its_host_when_the_run_executes(tmp_path) -> None:
     assert result.returncode != 0, out
     assert "refused: @local: the card is not the profile's" in out
     assert not (tmp_path / "marker").exists()  # the step after the refusal did not run
+
+
+def test_every_changed_file_of_one_operation_is_in_the_diff_preview(tmp_path) -> None:
+    """config_files under `--dry --diff` with pyinfra's CLI: both changed files are shown (change
+    detection stops at an operation's first command)."""
+    one, two = tmp_path / "one.conf", tmp_path / "two.conf"
+    one.write_text("old line\n")
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(
+        "from pyinfra_declared.files import ConfigFile, config_files\n"
+        f"config_files(name='Install both', files=[ConfigFile(content='new line\\n', "
+        f"dest={str(one)!r}), ConfigFile(content='second\\n', dest={str(two)!r})])\n")
+    pyinfra = str(Path(sys.executable).parent / "pyinfra")
+    result = subprocess.run([pyinfra, "@local", str(deploy), "--dry", "--diff"], cwd=tmp_path,
+                            text=True, capture_output=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert f"Will modify {one}" in out and f"Will create {two}" in out, out
+    assert "new line" in out and "second" in out
+    assert one.read_text() == "old line\n" and not two.exists()
