@@ -1033,9 +1033,9 @@ def make(*args: str, donors: Path = DONORS, timeout: float = 600) -> tuple[int, 
     make's: 2 when the command failed (whatever non-zero status it exited with)."""
     result = subprocess.run(["make", "-s", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=timeout, env={**os.environ, "DONORS_FILE": str(donors)})
-    # make's own line on a failed target ("make: *** [Makefile:..: status] Error 1") left out.
+    # make's own line on a failed target ("make[1]: *** [Makefile:..: status] Error 1") out.
     output = "".join(line for line in (result.stdout + result.stderr).splitlines(keepends=True)
-                     if not line.startswith("make: *** "))
+                     if not re.match(r"make(\[\d+\])?: \*\*\* ", line))
     return result.returncode, output
 
 
