@@ -19,7 +19,10 @@ that prints the message and fails, so pyinfra stops this host and carries on wit
 exception inside an operation would abort the whole run, every host). In change detection (the
 plain command's preview, `--dry`) a refusal is not a change: it is said as one line, `refused:
 HOST: reason`, and that host proposes nothing after it (it stops there when the run executes).
-A refusal after a command the body already yielded shows as that command's change.
+Where an earlier operation of the run proposed a change on that host, the facts the refusal was
+read from may change before the step runs (a toolkit installed first): it is said as `refused
+for now`, and the preview goes on. A refusal after a command the body already yielded shows as
+that command's change.
 
 The result is a pyinfra operation: global arguments (`name=`, `_if=`, `_sudo=`...) work as on
 pyinfra's own, in change detection, `--dry`, `--diff` and the run alike.
@@ -56,8 +59,11 @@ def refusal_command(refusal: Refusal) -> str:
     return f"echo {shlex.quote(f'refused: {refusal}')} >&2; exit 1"
 
 
-# Hosts refused during this process's change detection: they propose nothing after it.
+# Hosts refused during this process's change detection: they propose nothing after it. Hosts on
+# which an operation of this run already proposed a command: a refusal there is read from facts
+# that step may change (a toolkit not installed yet), so it is said, not final.
 _refused_in_preview: set[str] = set()
+_changing_in_preview: set[str] = set()
 
 
 def _previewing() -> bool:
@@ -66,6 +72,11 @@ def _previewing() -> bool:
 
 
 def _say_refused(refusal: Refusal) -> None:
+    if host.name in _changing_in_preview:
+        logger.warning(click.style(f"refused for now: {refusal}", "yellow")
+                       + " (preview: an earlier step of this run changes the host; this step "
+                       "checks again when the run executes)")
+        return
     _refused_in_preview.add(host.name)
     logger.error(click.style(f"refused: {refusal}", "red")
                  + " (preview: this host stops at this step when the run executes)")
@@ -96,7 +107,10 @@ def operation(**facts: FactLambda) -> Callable[[Callable], Any]:
             values = {name: None if request is None else snapshot.value(request)
                       for name, request in requests(args, kwargs).items()}
             try:
-                yield from _as_commands(body(*args, **kwargs, **values))
+                for command in _as_commands(body(*args, **kwargs, **values)):
+                    if previewing:
+                        _changing_in_preview.add(host.name)
+                    yield command
             except Refusal as refusal:
                 if previewing:
                     _say_refused(refusal)

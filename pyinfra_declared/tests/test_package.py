@@ -152,3 +152,24 @@ def test_every_changed_file_of_one_operation_is_in_the_diff_preview(tmp_path) ->
     assert f"Will modify {one}" in out and f"Will create {two}" in out, out
     assert "new line" in out and "second" in out
     assert one.read_text() == "old line\n" and not two.exists()
+
+
+def test_a_refusal_after_an_earlier_change_is_said_and_the_preview_goes_on(tmp_path) -> None:
+    """A step before it changes the host (a toolkit installed first): the refusal was read from
+    facts that may change, so the preview says so and goes on proposing the later steps."""
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(REFUSING_DEPLOY.replace(
+        'check_card(name="Check the card", ok=False)',
+        'write(name="Write the first file", path=FIRST)\n'
+        'check_card(name="Check the card", ok=False)').replace(
+        "FIRST", repr(str(tmp_path / "first"))).replace(
+        "MARKER", repr(str(tmp_path / "marker"))))
+    pyinfra = str(Path(sys.executable).parent / "pyinfra")
+    result = subprocess.run([pyinfra, "@local", str(deploy), "--dry"], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "refused for now: @local: the card is not the profile's" in out
+    table = out.split("--> Detected changes:", 1)[1]
+    row = next(line for line in table.splitlines() if "Write the marker" in line)
+    assert "@local" in row, row  # still proposed: the refusal may pass when the run executes
