@@ -184,13 +184,20 @@ def serving(data: dict, model: dict, hostname: str, timeout: float) -> dict:
     return out
 
 
+def connect(data: dict, timeout: float, row: dict) -> SshRunner | None:
+    """SSH to the box, or None with the cause in the row's `unreachable` (one line)."""
+    try:
+        return SshRunner(data, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return None
+
+
 def probe_donor(name: str, data: dict, timeout: float) -> dict:
     row: dict = {"name": name, "role": "donor", "address": where(data),
                  "card_profile": data["card"].name}
-    try:
-        remote = SshRunner(data, timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
-        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    remote = connect(data, timeout, row)
+    if remote is None:
         return row
     try:
         rc, out = remote.run(donor_command(data))
@@ -244,10 +251,8 @@ def probe_edge(name: str, data: dict, timeout: float) -> dict:
     # failure within one interval + timeout (plus a margin) is "down".
     window = duration_seconds(proxy["health_interval"]) + duration_seconds(
         proxy["health_timeout"]) + 2
-    try:
-        remote = SshRunner(data, timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
-        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    remote = connect(data, timeout, row)
+    if remote is None:
         return row
     try:
         _, out = remote.run(edge_command(data, window))
