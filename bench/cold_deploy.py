@@ -205,6 +205,7 @@ def bench_donors(names: list[tuple[str, str]], path: Path, cache: Path) -> Path:
     donors_file(names, path)
     doc = yaml.safe_load(path.read_text())
     doc["overrides"]["exllamav3_wheel_cache"] = str(cache)
+    doc["overrides"]["engine_kernel_cache"] = f"{cache}-kernels"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 

@@ -41,6 +41,7 @@ def donors_file(tree: Path, scratch: Path) -> Path:
     doc.pop("edges", None)  # the load of a donor's deploy is measured, not an edge's
     overrides = doc["overrides"]
     overrides.update(exllamav3_wheel_cache=str(scratch / "wheel-cache"),
+                     engine_kernel_cache=str(scratch / "kernel-cache"),
                      pki_dir=str(scratch / "pki"))
     overrides["vllm_exl3_plugin"]["path"] = str(tree / overrides["vllm_exl3_plugin"]["path"])
     donor = dict(doc["donors"]["tb-4090"], ssh_key=str(scratch / "id"),

@@ -66,7 +66,7 @@ def donors_file(names: list[tuple[str, str]], path: Path,
     doc = yaml.safe_load(TEMPLATE.read_text())
     # Absolute paths: the baseline worktree must use this checkout's PKI, caches and keys.
     overrides = doc["overrides"]
-    for key in ("exllamav3_wheel_cache", "pki_dir"):
+    for key in ("exllamav3_wheel_cache", "engine_kernel_cache", "pki_dir"):
         overrides[key] = str(REPO_ROOT / overrides[key])
     overrides["vllm_exl3_plugin"]["path"] = str(REPO_ROOT / overrides["vllm_exl3_plugin"]["path"])
     model = doc["donors"]["tb-4090"]

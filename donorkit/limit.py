@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatch
 
-from donorkit.inventory import pyinfra_groups
-
 
 class LimitError(ValueError):
     """A pattern that matches no host; the message is the one line to print."""
@@ -22,7 +20,10 @@ def patterns(values: Iterable[str] | None) -> list[str]:
 
 
 def groups(fleet: dict[str, dict], edges: dict[str, dict]) -> dict[str, list[str]]:
-    """{group: host names}, as inventory/gpus.py gives them to pyinfra."""
+    """{group: host names}, as inventory/gpus.py gives them to pyinfra. (Imported here: a
+    command given no LIMIT, `accept --via` on the GPU machine, has no pyinfra to import.)"""
+    from donorkit.inventory import pyinfra_groups
+
     return {group: [name for name, _ in members]
             for group, members in pyinfra_groups(fleet, edges, connect_kwargs={}).items()}
 

@@ -261,6 +261,7 @@ class Defaults(Strict):
     exllamav3_gib_per_job: Annotated[float, Field(gt=0, le=1024)]
     exllamav3_patches: list[LocalPath]
     exllamav3_wheel_cache: LocalPath
+    engine_kernel_cache: LocalPath
     vllm_exl3_plugin: PluginPath | PluginGit
     vllm_exl3_plugin_dir: AbsPath           # under install_root (check_paths)
     vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",

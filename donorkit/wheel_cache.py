@@ -131,7 +131,7 @@ def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
     found = file_sha256(path)
     if found != want:
         raise WheelCacheError(
-            f"cached wheel {path} is corrupt: sha256 {found}, its sidecar says {want}; "
+            f"cached {path} is corrupt: sha256 {found}, its sidecar says {want}; "
             "delete that directory and run again (the next box of this stack rebuilds it)")
     return path, want
 
@@ -183,7 +183,8 @@ def commit_download(entry_dir: str, wheel: str, key: str, box: str) -> bool:
 
 def _refuse(host: object, message: str) -> bool:
     from pyinfra import logger
-    host.log_styled(f"exllamav3 wheel cache: {message}", fg="red", log_func=logger.error)
+    host.log_styled(f"cache on the operator's machine: {message}", fg="red",
+                    log_func=logger.error)
     return False
 
 

@@ -20,10 +20,19 @@ copied to $OUT by `follow`):
    change is dropping `--quantization exl3` from the qwen unit (the operator's vllm-exl3 plugin is
    not in this repository; the stand-in has plain weights). Not applied: the unit's sandbox and
    MemoryMax (no systemd here); the peak host memory is recorded against MemoryMax instead.
-   Runs: qwen cold (empty JIT caches), qwen warm, hermes cold, hermes warm, then the negative
-   control: qwen, empty caches, the unit's PATH without .../nvvm/bin; last, qwen as another box
-   of the stack would start it: vLLM and FlashInfer reinstalled (new file times), the cold run's
-   caches copied in after them (file times of the copy).
+   Runs (the third run, 2026-12-01 evening): qwen cold (empty JIT caches; the unit's MAX_JOBS,
+   then 4, caps FlashInfer's ninja), qwen warm (a restart), then qwen as another box of the stack
+   would start it: vLLM and FlashInfer reinstalled (new file times), every JIT cache emptied, the
+   cold run's FlashInfer kernels (cached_ops/NAME/NAME.so) put into FlashInfer's own folder of
+   precompiled kernels in the venv (flashinfer/data/aot/NAME/NAME.so, where flashinfer/jit/env.py
+   looks when no flashinfer-jit-cache is installed; a kernel found there is loaded without
+   ninja); last, the same with vLLM's torch.compile, Triton's and CUDA's caches (keyed by content
+   hashes) also copied into the service user's home: what the deploy ships
+   (donorkit/kernel_cache.py). The hermes runs and the negative control ran in the second run
+   (gpu/results/h200-engine-2026-12-01/). Why not the cold run's FlashInfer cache copied as it
+   is: ninja decides by file times, and its deps log records each object's time, so objects older
+   than the new install's sources are rebuilt, and objects given the copy's time are rebuilt too
+   ("stored deps info out of date"; ninja's graph.cc).
    Per run: start to ready (/v1/models lists the checkpoint), peak GPU memory, peak host memory,
    /version, a chat completion, 12 concurrent 256-token completions, /metrics names, the hermes
    tool call (auto and forced), and on warm runs `make accept`'s engine checks (--via loopback).
@@ -222,25 +231,49 @@ def keep_caches(home: Path) -> dict:
     return {"bytes": CACHE_COPY.stat().st_size}
 
 
-def sibling_box(venv: Path, home: Path, owner: str) -> dict:
-    """Another box of the stack: vLLM and FlashInfer installed afresh (new file times), empty
-    caches, then the first box's caches copied in, with the time of the copy as their file
-    times (2026-12-01, with the first box's file times kept, FlashInfer rebuilt every kernel:
-    its sources were newer than the copied objects, and ninja decides by file times)."""
+def flashinfer_package(venv: Path) -> Path:
+    found = subprocess.run([venv / "bin/python", "-c", "import importlib.util as u; "
+                            "print(u.find_spec('flashinfer').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return Path(found)
+
+
+def shipped_kernels_box(venv: Path, home: Path, owner: str, home_caches: bool) -> dict:
+    """Another box of the stack, as the deploy ships it the stack's kernels before its unit
+    starts: vLLM and FlashInfer installed afresh (new file times), every JIT cache emptied, the
+    cold box's FlashInfer kernels in FlashInfer's precompiled-kernel folder of the venv; with
+    `home_caches`, also vLLM's torch.compile and Triton caches in the service user's home (what
+    the deploy does not ship: the remainder they would save)."""
     started = time.monotonic()
-    wipe_caches(home)
     table = json.loads((STAGE / "requirements.json").read_text())["carried"]
     wheels = [str(STAGE / "wheels" / table[n]["wheel"]) for n in ("vllm", "flashinfer-python")]
     subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--force-reinstall", "--no-compile", "--disable-pip-version-check", *wheels],
                    check=True)
+    wipe_caches(home)
+    aot = flashinfer_package(venv) / "data" / "aot"
+    shipped, other = 0, []
     with tarfile.open(CACHE_COPY) as tar:
-        tar.extractall(home, filter="tar")
-        copied = time.time()
         for member in tar.getmembers():
-            os.utime(home / member.name, (copied, copied), follow_symlinks=False)
+            parts = Path(member.name).parts
+            if parts[:2] == (".cache", "flashinfer"):
+                # .cache/flashinfer/<version>/<arch>/cached_ops/<name>/<name>.so
+                if member.isfile() and len(parts) == 7 and parts[4] == "cached_ops" \
+                        and parts[6] == f"{parts[5]}.so":
+                    target = aot / parts[5] / parts[6]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with tar.extractfile(member) as src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    target.chmod(0o644)
+                    shipped += 1
+            elif home_caches:
+                other.append(member)
+        tar.extractall(home, members=other, filter="tar")
     subprocess.run(["chown", "-R", f"{owner}:{owner}", str(home)], check=True)
-    return {"seconds": round(time.monotonic() - started, 1)}
+    return {"seconds": round(time.monotonic() - started, 1), "kernels": shipped,
+            "kernel_bytes": sum(f.stat().st_size for f in aot.rglob("*.so")),
+            "home_caches": sorted({Path(m.name).parts[0] + "/" + Path(m.name).parts[1]
+                                   for m in other if len(Path(m.name).parts) > 1})}
 
 
 # ------------------------------------------------------------------ one engine -----------------
@@ -417,8 +450,8 @@ def daemon() -> None:
     save()
 
     qwen_folder = STAGE / "models/qwen"
-    plan = [("qwen", "cold"), ("qwen", "warm"), ("hermes", "cold"), ("hermes", "warm"),
-            ("qwen", "no-nvvm-bin"), ("qwen", "copied-cache")]
+    plan = [("qwen", "cold"), ("qwen", "warm"), ("qwen", "kernels-shipped"),
+            ("qwen", "kernels-and-caches-shipped")]
     for name, kind in plan:
         _, env, argv = units[name]
         env, argv = dict(env), list(argv)
@@ -432,11 +465,15 @@ def daemon() -> None:
         if qwen_folder.name == "qwen-dense" and name == "qwen":
             env.pop(RETENTION, None)
             notes.append(f"dense fallback: {RETENTION} dropped (no Mamba layers)")
-        if kind == "copied-cache":
+        if kind.startswith("kernels-"):
             if not CACHE_COPY.exists():
                 continue
-            notes.append(f"another box: fresh vLLM/FlashInfer install, the cold run's caches "
-                         f"copied in ({sibling_box(venv, home, user)['seconds']} s)")
+            shipped = shipped_kernels_box(venv, home, user, "caches" in kind)
+            results[kind] = shipped
+            notes.append(f"another box: fresh vLLM/FlashInfer install, empty caches, the cold "
+                         f"run's {shipped['kernels']} FlashInfer kernels in the venv's "
+                         f"flashinfer/data/aot, {shipped['home_caches']} copied "
+                         f"({shipped['seconds']} s)")
         elif kind != "warm":
             wipe_caches(home)
         if kind == "no-nvvm-bin":
@@ -447,7 +484,9 @@ def daemon() -> None:
         timeout = NEGATIVE_TIMEOUT if kind == "no-nvvm-bin" else READY_TIMEOUT
         run = engine(name, kind, venv, home, user, argv, env, timeout)
         run.update(notes=notes, snapshot=f"{folder.name}@{commit[:12]}",
-                   environment=env, exec_start=argv)
+                   environment=env, exec_start=argv,
+                   jit_kernels_built_in_home=len(list(
+                       (home / ".cache/flashinfer").glob("*/*/cached_ops/*/*.so"))))
         results["runs"].append(run)
         if (name, kind) == ("qwen", "cold") and run["outcome"] == "ready":
             run["caches_kept"] = keep_caches(home)

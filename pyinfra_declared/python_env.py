@@ -12,6 +12,7 @@ from pyinfra_declared.batched_facts import (
     PathStates,
     VenvDistributions,
     normalized_name,
+    shell_glob,
 )
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
@@ -35,7 +36,7 @@ def python_venv(path: str, python: str, found: dict):
 def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
                   busy: dict | None, install_args: list[str] | None = None,
                   install: list[str] | None = None, uv: str | None = None,
-                  busy_marker: str = ".installing"):
+                  busy_marker: str = ".installing", stale_on_change: list[str] | None = None):
     """Each requirement (`name==version` and the like) satisfied in the venv (the distributions
     its site-packages holds); the installer installs them all together when any is not, so its
     resolver sees the whole set: `install` when given (the same requirements, some as direct
@@ -51,7 +52,11 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
     (`<venv>/<busy_marker>`) is made before installing and removed once uv succeeded; a
     venv that has it is not converged, and the next install is `--reinstall` (every
     distribution of the set laid out again, from uv's cache). The marker is read through the
-    snapshot: no extra remote command."""
+    snapshot: no extra remote command.
+
+    `stale_on_change`: paths under the venv (`*` expands) that other steps put there for this
+    set of distributions and that belong to no distribution: removed before any install, so a
+    changed set never meets them (the next steps lay them out again for the new set)."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     def parsed(spec: str) -> Requirement:
@@ -75,10 +80,12 @@ def venv_packages(venv_dir: str, packages: list[str], installed: dict[str, str],
         host.noop(f"{len(packages)} requirements met in {venv_dir}")
         return
     pip, specs = q(f"{venv_dir}/bin/pip"), [*map(q, install or packages)]
+    stale = [f"rm -rf {' '.join(shell_glob(f'{venv_dir}/{path}') for path in stale_on_change)}"
+             ] if stale_on_change else []
     if uv is None:
-        yield " ".join([pip, "install", "-q", *map(q, args), *specs])
+        yield " && ".join([*stale, " ".join([pip, "install", "-q", *map(q, args), *specs])])
         return
-    steps = [f"touch {q(marker)}"]
+    steps = [f"touch {q(marker)}", *stale]
     if met(parsed(uv)):
         # From the same index as the rest (PyPI, or the operator's mirror of it).
         index = args[args.index("--index-url"):][:2] if "--index-url" in args else []

@@ -3,11 +3,18 @@ changed (unit, venv distributions, plugin, exllamav3), including a restart a fai
 Units of identities no longer served go first (one model per card: a swap frees the GPU before
 the new model loads; its weights are already here, tasks/weights.py). After a (re)start, or
 whenever its model is not listed, the readiness gate waits until /v1/models on the unit's
-loopback port lists the checkpoint, or fails the box with the unit's journal."""
+loopback port lists the checkpoint, or fails the box with the unit's journal.
+
+On a CUDA box each unit's engine kernels (donorkit/kernel_cache.py) are shipped from the
+operator's cache before the unit starts, when an earlier box of the same stack left them there,
+so this box's first start is a warm one; and once the unit is ready, what its first start built
+is copied back to the cache when the cache lacks that stack."""
 
 from pyinfra import host
 from pyinfra.api import deploy
 
+from donorkit.box_facts import host_profile
+from donorkit.kernel_cache import UnitKernels, keep_kernels, ship_kernels
 from donorkit.paths import repo_path
 from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
 from donorkit.serving import ready_gate
@@ -35,16 +42,29 @@ def apply() -> None:
     # The gate and every unit in one operation; a unit systemd would refuse (or warn about: a
     # line it ignores) never replaces a working one.
     models = list(host.data.models.values())
+    rendered = {model["unit"]: render_unit(host.data.dict(), model) for model in models}
     config_files(
         name=f"Install the readiness gate and {', '.join(m['unit'] for m in models)}",
         files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
                           mode="755"),
-               *(ConfigFile(content=render_unit(host.data.dict(), model),
+               *(ConfigFile(content=rendered[model["unit"]],
                             dest=f"{UNIT_DIR}/{model['unit']}", validate=VERIFY_UNIT)
                  for model in models)])
 
     for model in models:
         unit_path = f"{UNIT_DIR}/{model['unit']}"
+        kernels = None
+        if host.data.card.engine == "cuda":
+            kernels = UnitKernels(
+                unit=model["unit"], unit_text=rendered[model["unit"]],
+                checkpoint=model["checkpoint"], revision=model.get("revision"),
+                arch=host.data.card.arch, distro=host_profile()["distro"],
+                venv_dir=host.data.venv_dir, cuda_home=host.data.cuda_home,
+                home=host.data.service_home, service_user=host.data.service_user,
+                stamp=f"{install_root}/state/{model['unit']}.kernels",
+                box_dir=f"{install_root}/kernels", cache_dir=host.data.engine_kernel_cache)
+            ship_kernels(name=f"Kernels for {model['unit']}: from an earlier box of its stack",
+                         kernels=kernels)
         service_running_its_files(
             name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
             unit=model["unit"],
@@ -57,3 +77,6 @@ def apply() -> None:
             python=f"{host.data.venv_dir}/bin/python", script=gate,
             timeout=host.data.ready_timeout, journal_lines=host.data.ready_journal_lines,
         )
+        if kernels:
+            keep_kernels(name=f"Kernels for {model['unit']}: copy what its first start built "
+                              "back to the cache", kernels=kernels)

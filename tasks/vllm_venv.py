@@ -1,11 +1,13 @@
 """The vLLM venv: pinned vllm and torch from the card profile's wheel variant, installed with uv
 (pinned, put in the venv by its pip), root-owned, and a check that torch's CUDA major matches
-the toolkit's nvcc (PyTorch refuses to build otherwise)."""
+the toolkit's nvcc (PyTorch refuses to build otherwise). A change of the set first removes the
+engine kernels shipped into FlashInfer's folder for the old set (donorkit/kernel_cache.py)."""
 
 from pyinfra import host
 from pyinfra.api import deploy
 
 from donorkit.box_operations import torch_matches_nvcc
+from donorkit.kernel_cache import FLASHINFER_AOT
 from donorkit.render import VENV_BUSY_MARKER
 from pyinfra_declared.python_env import python_venv, venv_packages
 
@@ -23,6 +25,7 @@ def apply() -> None:
         install_args=host.data.venv_index_args,
         uv=f"uv=={host.data.uv_version}",
         busy_marker=VENV_BUSY_MARKER,
+        stale_on_change=[FLASHINFER_AOT],
     )
     if host.data.card.engine == "cuda":
         torch_matches_nvcc(

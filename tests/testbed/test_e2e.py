@@ -64,6 +64,7 @@ LOCK_HOLDER = ("import fcntl, time\n"
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[dict[str, Host]]:
     shutil.rmtree(REPO_ROOT / ".testbed/wheel-cache", ignore_errors=True)
+    shutil.rmtree(REPO_ROOT / ".testbed/kernel-cache", ignore_errors=True)
     with bed.testbed(HOSTS, times=TIMES, drivers={OLD: OLD_DRIVER}) as started:
         yield {h.name: h for h in started}
     print("\ntestbed phase times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
@@ -390,6 +391,20 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     imported = ssh(second, "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
                            "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'").stdout
     assert "exllamav3_ext" in imported
+    # The engine's kernels: tb-4090's first start built them (the stand-in's compile) and the
+    # deploy copied them back; tb-4090b got them before its unit started (FlashInfer's folder of
+    # precompiled kernels in the venv, vLLM's compile cache in the home), so its first start
+    # built nothing.
+    kernels = [p for p in (REPO_ROOT / ".testbed/kernel-cache").glob("*/kernels.tar.sha256")]
+    assert len(kernels) == 1, kernels
+    journal = "journalctl -u vllm-qwen.service -o cat --no-pager"
+    assert "vllm-standin: kernels built in 5 s" in ssh(hosts[GOOD], journal).stdout
+    started = ssh(second, journal).stdout
+    assert "vllm-standin: kernels found (/opt/uncloseai/vllm-venv/lib/python3" in started, \
+        started[-2000:]
+    assert "flashinfer/data/aot/standin_attention_" in started and "kernels built" not in started
+    assert ssh(second, "stat -c %U /home/fox/.cache/vllm/torch_compile_cache").stdout.strip() \
+        == "fox"
 
 
 def test_a_batch_of_boxes_of_one_stack_in_one_run(hosts: dict[str, Host]) -> None:

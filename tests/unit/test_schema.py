@@ -66,7 +66,7 @@ def test_one_field_of_a_card_and_one_env_value_overridden(tmp_path: Path) -> Non
         "unit_environment": {"EXTRA": "1"}}))["box"]
     assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"].arch == "8.9"
     assert box["unit_environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                                       "MAX_JOBS": "4", "EXTRA": "1"}
+                                       "MAX_JOBS": "2", "EXTRA": "1"}
 
 
 def test_the_plugin_source_is_replaced_whole(tmp_path: Path) -> None:

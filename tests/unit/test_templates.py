@@ -113,7 +113,7 @@ def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None
                  "Environment=VLLM_EXL3_CUBLAS16_ROWS=256",
                  "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400",  # qwen only
                  "Environment=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                 "Environment=MAX_JOBS=4",  # FlashInfer's JIT fits MemoryMax on a first start
+                 "Environment=MAX_JOBS=2",  # FlashInfer's JIT fits MemoryMax on a first start
                  "TimeoutStartSec=3600", "Restart=always", "RestartSec=5", "MemoryMax=16G",
                  "OOMScoreAdjust=-500", "    --host 127.0.0.1 \\", "    --port 18888 \\",
                  "    --max-model-len 65536 \\", "    --quantization exl3"):

@@ -160,3 +160,31 @@ def test_real_uv_takes_every_option_of_the_command(tmp_path: Path, card: str) ->
     assert result.returncode == 1, (result.returncode, result.stderr)
     assert "unexpected argument" not in result.stderr
     assert "vllm was not found in the cache" in result.stderr, result.stderr
+
+
+def test_a_changed_set_removes_the_kernels_shipped_for_the_old_one(tmp_path: Path) -> None:
+    """FlashInfer loads a kernel from its folder of precompiled kernels without asking which
+    version built it (donorkit/kernel_cache.py ships them there): a change of the venv's set
+    removes that folder before uv runs, in a real shell; a converged venv keeps it."""
+    from donorkit.kernel_cache import FLASHINFER_AOT
+
+    data = host_data(tmp_path, "rtx4090")
+    args = {"venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
+            "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
+            "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER,
+            "stale_on_change": [FLASHINFER_AOT]}
+    venv = tmp_path / "venv"
+    kernel = venv / "lib/python3.12/site-packages/flashinfer/data/aot/k/k.so"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"old")
+    (venv / "bin").mkdir()
+    uv = venv / "bin/uv"
+    uv.write_text(f"#!/bin/sh\ntest ! -e {kernel.parent} || exit 9\n")  # gone before uv runs
+    uv.chmod(0o755)
+    converged = {"vllm": "0.26.0", "torch": "2.11.0", "wheel": "0.48.0", "ninja": "1.13.2",
+                 "uv": UV_VERSION}
+    assert plan(venv_packages, args, {"installed": converged, "busy": {}})[0] == []
+    found, _ = plan(venv_packages, args, {"installed": {**converged, "vllm": "0.25.1"},
+                                          "busy": {}})
+    assert subprocess.run(["sh", "-c", found[0].replace(VENV, str(venv))]).returncode == 0
+    assert not kernel.exists() and kernel.parents[2].is_dir()  # flashinfer/ itself stays

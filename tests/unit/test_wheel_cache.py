@@ -47,7 +47,7 @@ def test_absent_or_incomplete_entry_is_a_miss(tmp_path: Path) -> None:
 
 def test_corrupt_cached_wheel_is_refused_naming_the_file(tmp_path: Path) -> None:
     path = put_entry(tmp_path / "e", b"wheel, then a flipped bit", sidecar_data=b"wheel")
-    with pytest.raises(WheelCacheError, match=f"cached wheel {path} is corrupt"):
+    with pytest.raises(WheelCacheError, match=f"cached {path} is corrupt"):
         wheel_cache.cached_wheel(tmp_path / "e", WHEEL)
 
 
