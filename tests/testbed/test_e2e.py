@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import render
+from donorkit import __version__, render
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
 from pyinfra_declared.batched_facts import PathStates, UnitState
@@ -1134,7 +1134,7 @@ def test_make_status_shows_the_fleet(hosts: dict[str, Host]) -> None:
         assert model["ready"] and model["served"] == ["turboderp/Qwen3.8-27B-exl3"], row
         assert model["revision"] == model["pinned"] == FIXED_REVISION
         assert model["state"] == "active/running" and model["active_for_s"] >= 0
-        assert (row["vllm"], row["torch"], row["toolkit"]) == ("0.26.0", "2.11.0", "0.15.0")
+        assert (row["vllm"], row["torch"], row["toolkit"]) == ("0.26.0", "2.11.0", __version__)
         assert row["gpu"]["card"] == "NVIDIA GeForce RTX 4090" and row["gpu"]["driver"]
         assert (row["gpu"]["memory_used_mib"], row["gpu"]["memory_total_mib"]) == (1234, 24564)
         assert row["drained"] is False
@@ -1149,7 +1149,7 @@ def test_make_status_shows_the_fleet(hosts: dict[str, Host]) -> None:
     pool = {m["donor"]: m for m in rows[EDGE]["pool"]}
     assert set(pool) == {GOOD, SECOND} and all(m["seen"] == "up" for m in pool.values()), pool
     assert all(isinstance(m["in_flight"], int) for m in pool.values()), pool
-    assert rows[EDGE]["caddy"] == "active" and rows[EDGE]["toolkit"] == "0.15.0"
+    assert rows[EDGE]["caddy"] == "active" and rows[EDGE]["toolkit"] == __version__
 
     flag = render.drain_flag(load_fleet(DONORS)[SECOND])
     ssh(hosts[SECOND], f"touch {flag}")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from donorkit import __version__
 from donorkit.acceptance import Record
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
@@ -230,4 +231,4 @@ def test_make_status_reads_the_real_engines_metrics(box: Host, data: dict) -> No
                             "vllm:kv_cache_usage_perc"}, metrics
     assert 0 <= metrics["vllm:kv_cache_usage_perc"] <= 1
     assert row["vllm"].startswith("0.32.0") and row["torch"].startswith("2.13.0"), row
-    assert row["toolkit"] == "0.15.0" and row["gpu"]["card"] == "cpu engine"
+    assert row["toolkit"] == __version__ and row["gpu"]["card"] == "cpu engine"
