@@ -307,8 +307,13 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
     rc, output = pyinfra_as_a_user_runs_it("inventory/gpus.py", "deploy.py", "--limit", GOOD,
                                            "--dry", "--diff", env={"DONORS_FILE": str(donors)})
     assert rc == 0, output[-6000:]
+    # A changed unit is another kernel stack (donorkit/kernel_cache.py): the box records it (no
+    # box of it has kept kernels yet) and will copy back what its restart builds.
     assert preview_rows(output, GOOD, "change") == [
-        "Install the readiness gate and vllm-qwen.service"], output[-6000:]
+        "Install the readiness gate and vllm-qwen.service",
+        "Kernels for vllm-qwen.service: from an earlier box of its stack",
+        "Kernels for vllm-qwen.service: copy what its first start built back to the cache",
+    ], output[-6000:]
     assert f"Will modify {unit}" in output
     assert re.search(r"\+\s*Environment=\"?UNCLOSEAI_PREVIEW=1", output), output[-6000:]
     assert "--> Beginning operation run" not in output
