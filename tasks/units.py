@@ -8,6 +8,7 @@ loopback port lists the checkpoint, or fails the box with the unit's journal."""
 from pyinfra import host
 from pyinfra.api import deploy
 
+from donorkit.host_data import this_box
 from donorkit.paths import repo_path
 from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
 from donorkit.serving import ready_gate
@@ -17,6 +18,7 @@ from pyinfra_declared.services import retired_unit, service_running_its_files
 
 @deploy("vLLM units")
 def apply() -> None:
+    box = this_box(host)
     install_root = host.data.install_root
     site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
     shared_dependencies = [f"{site_packages}/*.dist-info"]
@@ -36,24 +38,24 @@ def apply() -> None:
     # line it ignores) never replaces a working one.
     models = list(host.data.models.values())
     config_files(
-        name=f"Install the readiness gate and {', '.join(m['unit'] for m in models)}",
+        name=f"Install the readiness gate and {', '.join(m.unit for m in models)}",
         files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
                           mode="755"),
-               *(ConfigFile(content=render_unit(host.data.dict(), model),
-                            dest=f"{UNIT_DIR}/{model['unit']}", validate=VERIFY_UNIT)
+               *(ConfigFile(content=render_unit(box, model),
+                            dest=f"{UNIT_DIR}/{model.unit}", validate=VERIFY_UNIT)
                  for model in models)])
 
     for model in models:
-        unit_path = f"{UNIT_DIR}/{model['unit']}"
+        unit_path = f"{UNIT_DIR}/{model.unit}"
         service_running_its_files(
-            name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
-            unit=model["unit"],
+            name=f"Run {model.unit} (port {model.port}, {model.checkpoint})",
+            unit=model.unit,
             depends_on=[unit_path, *shared_dependencies],
-            record=f"{install_root}/state/{model['unit']}.started",
+            record=f"{install_root}/state/{model.unit}.started",
         )
         ready_gate(
-            name=f"Ready: {model['unit']} lists {model['checkpoint']}",
-            unit=model["unit"], port=model["port"], checkpoint=model["checkpoint"],
+            name=f"Ready: {model.unit} lists {model.checkpoint}",
+            unit=model.unit, port=model.port, checkpoint=model.checkpoint,
             python=f"{host.data.venv_dir}/bin/python", script=gate,
             timeout=host.data.ready_timeout, journal_lines=host.data.ready_journal_lines,
         )

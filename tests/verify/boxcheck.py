@@ -447,7 +447,7 @@ def unit_env(host: Host, data: dict, model: dict) -> tuple[dict[str, str], str]:
     from donorkit import render
 
     if systemd_booted(host):
-        unit_show(host, model["unit"])
-        return live_unit_environment(host, model["unit"]), f"installed unit {model['unit']}"
+        unit_show(host, model.unit)
+        return live_unit_environment(host, model.unit), f"installed unit {model.unit}"
     env = {k: str(v) for k, v in render.unit_environment(data, model).items()}
     return env, "render.unit_environment (systemd is not PID 1 here: no unit to read back)"

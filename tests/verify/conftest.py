@@ -175,8 +175,8 @@ def pytest_configure_node(node) -> None:
 def _unreachable_lines(config: pytest.Config) -> list[str]:
     fleet, edges = load_inventory(_option(config, "donors"))
     hosts = {**fleet, **edges}
-    return [f"{name} ({hosts[name]['ssh_user']}@{hosts[name]['ssh_hostname']}:"
-            f"{hosts[name]['ssh_port']}): {why}" for name, why in _unreachable(config).items()]
+    return [f"{name} ({hosts[name].ssh_user}@{hosts[name].ssh_hostname}:"
+            f"{hosts[name].ssh_port}): {why}" for name, why in _unreachable(config).items()]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -205,13 +205,13 @@ def _axes(fixturenames: list[str]) -> tuple[str, ...]:
 
 def _cases(data: dict, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The parameter tuples one donor contributes for a test with these axes."""
-    name = data["donor_name"]
+    name = data.donor_name
     if "route" in axes:
-        return [(name, r["hostname"]) for r in data["routes"]]
+        return [(name, r.hostname) for r in data.routes]
     if "setting" in axes:
-        return [(name, m, key) for m in data["models"] for key in data["unit_service"]]
+        return [(name, m, key) for m in data.models for key in data.unit_service]
     if "model" in axes:
-        return [(name, m) for m in data["models"]]
+        return [(name, m) for m in data.models]
     return [(name,)]
 
 
@@ -221,12 +221,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "edge" in metafunc.fixturenames:
         edges = selected_edges(metafunc.config).values()
         if "upstream" in metafunc.fixturenames:
-            cases = [(e["edge_name"], s["hostname"], u["donor"]) for e in edges
-                     for s in e["sites"] for u in s["upstreams"]]
+            cases = [(e.edge_name, s.hostname, u.donor) for e in edges
+                     for s in e.sites for u in s.upstreams]
             metafunc.parametrize(("edge", "site", "upstream"), cases,
                                  ids=[":".join(c) for c in cases])
         else:
-            names = [e["edge_name"] for e in edges]
+            names = [e.edge_name for e in edges]
             metafunc.parametrize("edge", names, ids=names)
         return
     if "donor" not in metafunc.fixturenames:
@@ -268,14 +268,14 @@ def make_host(data: dict, on_box: bool, known_hosts: str | None = None,
     """A testinfra Host for one donor; nothing connects until the first command."""
     if on_box:
         return Host(LocalBackend(sudo=os.geteuid() != 0))
-    address = data["ssh_hostname"]
+    address = data.ssh_hostname
     address = f"[{address}]" if ":" in address else address
     backend = KnownHostsParamikoBackend(
-        f"{data['ssh_user']}@{address}:{data['ssh_port']}",
-        known_hosts=known_hosts or data.get("ssh_known_hosts_file"),
+        f"{data.ssh_user}@{address}:{data.ssh_port}",
+        known_hosts=known_hosts or data.ssh_known_hosts_file,
         accept_unknown=accept_unknown,
-        ssh_identity_file=data.get("ssh_key"), timeout=CONNECT_TIMEOUT_S,
-        sudo=bool(data.get("_sudo")))
+        ssh_identity_file=data.ssh_key, timeout=CONNECT_TIMEOUT_S,
+        sudo=data.sudo)
     return Host(backend)
 
 
@@ -320,7 +320,7 @@ def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
             _HOSTS[donor] = f"{type(exc).__name__}: {exc}"
     box = _HOSTS[donor]
     if isinstance(box, str):
-        where = f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
+        where = f"{data.ssh_user}@{data.ssh_hostname}:{data.ssh_port}"
         pytest.fail(f"cannot run commands on {donor} ({where}): {box}", pytrace=False)
     return box
 
@@ -328,14 +328,14 @@ def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
 @pytest.fixture
 def m(data: dict, model: str) -> dict:
     """The model profile of one unit on this donor."""
-    return data["models"][model]
+    return data.models[model]
 
 
 @pytest.fixture
 def route_model(data: dict, route: str) -> dict:
     """The model profile a public hostname routes to."""
-    name = next(r["model"] for r in data["routes"] if r["hostname"] == route)
-    return data["models"][name]
+    name = next(r.model for r in data.routes if r.hostname == route)
+    return data.models[name]
 
 
 # Checks of what only a CUDA engine has (toolkit, JIT, exllamav3, plugin, GPU, driver); a card
@@ -354,7 +354,7 @@ def _cuda_only(request: pytest.FixtureRequest) -> None:
         return
     data = selected_donors(request.config)[request.getfixturevalue("donor")]
     name = request.node.originalname
-    if data["card"].engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
+    if data.card.engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
                                             or name in CUDA_ONLY_TESTS):
-        pytest.skip(f"card profile '{data['card'].name}' is vLLM's CPU engine: no CUDA, "
+        pytest.skip(f"card profile '{data.card.name}' is vLLM's CPU engine: no CUDA, "
                     "exllamav3, plugin or GPU")

@@ -15,7 +15,7 @@ def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
     """The client certificate and key, in this machine's PKI folder, of an edge the donor trusts
     (a current edge: fleet.py's `trusted_clients`, less the operator's own, OPERATOR_CLIENT,
     which a donor gives more: /metrics), or None."""
-    for name in data["trusted_clients"]:
+    for name in data.trusted_clients:
         if name == OPERATOR_CLIENT:
             continue
         cert, key = transport.edge_client_pair(data, name)

@@ -51,10 +51,10 @@ def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
     0640 root:caddy, and each the operator's own file (same bytes as in pki_dir)."""
     paths = render.edge_paths(edge_data)
     wanted = ["ca", "client_cert", "client_key"]
-    if edge_data["public_tls"] == "private_ca":
+    if edge_data.public_tls == "private_ca":
         wanted += ["public_cert", "public_key"]
     pki = pki_dir(edge_data)
-    name = edge_data["edge_name"]
+    name = edge_data.edge_name
     local = {"ca": pki / "ca.crt", "client_cert": pki / "edges" / f"{name}.crt",
              "client_key": pki / "edges" / f"{name}.key",
              "public_cert": pki / "hosts" / f"{name}.crt",
@@ -103,13 +103,13 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
     if not edge_host.exists("curl"):
         missing(edge_host, "curl is not installed")
     paths = render.edge_paths(edge_data)
-    entry = next(s for s in edge_data["sites"] if s["hostname"] == site)
-    address = next(u["address"] for u in entry["upstreams"] if u["donor"] == upstream)
+    entry = next(s for s in edge_data.sites if s.hostname == site)
+    address = next(u.address for u in entry.upstreams if u.donor == upstream)
     ip, _, port = address.rpartition(":")
     command = (f"curl -sS -m 20 -o /dev/stdout -w '\\n%{{http_code}}' --cacert {paths['ca']} "
                f"--cert {paths['client_cert']} --key {paths['client_key']} "
                f"--resolve {site}:{port}:{ip.strip('[]')} "
-               f"https://{site}:{port}{edge_data['edge_proxy']['health_uri']}")
+               f"https://{site}:{port}{edge_data.edge_proxy.health_uri}")
     result = edge_host.run(command)
     assert result.rc == 0, f"{upstream} ({address}) for {site}: {result.stderr.strip()}"
     body, _, code = result.stdout.rpartition("\n")
@@ -127,7 +127,7 @@ def test_donor_refuses_a_client_without_certificate(host: Host, data: dict,
     the server's alert lands (TLS 1.3 asks for the certificate after the handshake): 35 (handshake),
     55 (send: the server already closed) or 56 (receive: "alert bad certificate"); all three seen
     against Caddy 2.6.2 from one client, 55 the most often."""
-    port = data["caddy_https_port"]
+    port = data.caddy_https_port
     script = (_on_box_ca(host, data) + f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' "
               f"$verify $ca --resolve {route}:{port}:127.0.0.1 https://{route}:{port}/v1/models")
     result = host.run("/bin/sh -c %s", script)

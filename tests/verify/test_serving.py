@@ -14,10 +14,10 @@ from testinfra.host import Host
 def _ready(host: Host, model: dict) -> None:
     """vLLM opens its port before the model is loaded: ready means /health == 200. A model that
     is not ready fails the check with the reason (a deployed box serves its models)."""
-    url = f"http://127.0.0.1:{model['port']}/health"
+    url = f"http://127.0.0.1:{model.port}/health"
     code = host.run("curl -s -o /dev/null -m 5 -w '%%{http_code}' %s", url).stdout.strip()
     if code != "200":
-        pytest.fail(f"{model['name']} is not serving: GET {url} answered {code or 'nothing'}",
+        pytest.fail(f"{model.name} is not serving: GET {url} answered {code or 'nothing'}",
                     pytrace=False)
 
 
@@ -31,10 +31,10 @@ def _through_caddy(data: dict, hostname: str, path: str, client: tuple) -> tuple
     """GET https://hostname:port/path at the box's address via its Caddy, verified against our
     CA, with `client`'s certificate."""
     try:
-        return mtls.get(data["ssh_hostname"], data["caddy_https_port"], hostname, path,
+        return mtls.get(data.ssh_hostname, data.caddy_https_port, hostname, path,
                         mtls.ca_file(data), client)
     except OSError as exc:
-        pytest.fail(f"GET {path} via {hostname} at {data['ssh_hostname']}: {exc}",
+        pytest.fail(f"GET {path} via {hostname} at {data.ssh_hostname}: {exc}",
                     pytrace=False)
 
 
@@ -42,8 +42,8 @@ def test_models_through_caddy(host: Host, data: dict, route: str, route_model: d
     _ready(host, route_model)
     code, body = _through_caddy(data, route, "/v1/models", _trusted_client(data))
     assert code == 200, f"/v1/models via {route}: HTTP {code} {body[:200]}"
-    listed = [(e.get("id"), e.get("max_model_len")) for e in json.loads(body)["data"]]
-    assert listed == [(route_model["checkpoint"], route_model["max_model_len"])], listed
+    listed = [(e.get("id"), e["max_model_len"]) for e in json.loads(body)["data"]]
+    assert listed == [(route_model.checkpoint, route_model.max_model_len)], listed
 
 
 def test_version_through_caddy(host: Host, data: dict, route: str, route_model: dict) -> None:

@@ -27,34 +27,34 @@ def _base(version: str) -> str:
 
 
 def test_vllm_version(host: Host, data: dict) -> None:
-    found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
+    found = venv_json(host, data.venv_dir, VERSIONS, "installed versions")
     if found["vllm"] is None:
-        missing(host, f"vllm is not installed in {data['venv_dir']}")
+        missing(host, f"vllm is not installed in {data.venv_dir}")
     # A card's CUDA variant (vllm_variant) shows as the local tag: 0.26.0+cu129.
-    assert found["vllm"] == data["vllm_installed_version"]
+    assert found["vllm"] == data.vllm_installed_version
 
 
 def test_torch_version(host: Host, data: dict) -> None:
-    found = venv_json(host, data["venv_dir"], VERSIONS, "installed versions")
-    assert found["torch"], f"torch is not installed in {data['venv_dir']}"
-    assert _base(found["torch"]) == data["torch_version"], found["torch"]
+    found = venv_json(host, data.venv_dir, VERSIONS, "installed versions")
+    assert found["torch"], f"torch is not installed in {data.venv_dir}"
+    assert _base(found["torch"]) == data.torch_version, found["torch"]
 
 
 def test_torch_cuda_major_matches_nvcc(host: Host, data: dict) -> None:
     """PyTorch's extension builder refuses an nvcc of another major (DESIGN.md)."""
-    torch_cuda = venv_json(host, data["venv_dir"], TORCH_CUDA, "torch.version.cuda")
+    torch_cuda = venv_json(host, data.venv_dir, TORCH_CUDA, "torch.version.cuda")
     assert torch_cuda, "torch in the venv is a CPU-only build (torch.version.cuda is None)"
-    out = check(host, f"{data['cuda_home']}/bin/nvcc --version", "nvcc --version").stdout
+    out = check(host, f"{data.cuda_home}/bin/nvcc --version", "nvcc --version").stdout
     nvcc = re.search(r"release (\d+)\.", out)
     assert nvcc, f"no release in nvcc --version: {out}"
     assert torch_cuda.split(".")[0] == nvcc[1], (
-        f"torch is built for CUDA {torch_cuda}, {data['cuda_home']}/bin/nvcc is {nvcc[1]}.x")
+        f"torch is built for CUDA {torch_cuda}, {data.cuda_home}/bin/nvcc is {nvcc[1]}.x")
 
 
 def test_exllamav3_ext_built_for_card(host: Host, data: dict) -> None:
-    path = venv_json(host, data["venv_dir"], EXT, "import exllamav3_ext")
-    want = sm(data["card"].arch)
-    found, how = sass_archs(host, data["cuda_home"], f"{data['venv_dir']}/bin/python", path)
+    path = venv_json(host, data.venv_dir, EXT, "import exllamav3_ext")
+    want = sm(data.card.arch)
+    found, how = sass_archs(host, data.cuda_home, f"{data.venv_dir}/bin/python", path)
     print(f"{path}: SASS for {sorted(found)} (from {how})")
     assert want in found, f"{path} has no {want} code (has {sorted(found)}, from {how})"
 
@@ -71,7 +71,7 @@ def _gpus(host: Host) -> list[tuple[str, str, str]]:
 
 
 def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
-    card = data["card"]
+    card = data.card
     for name, cap, _ in _gpus(host):
         assert (name, cap) == (card.gpu_name, card.arch), (
             f"GPU {name} (compute {cap}) is not the inventory's {card.name}: "
@@ -80,11 +80,11 @@ def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
 
 def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: dict) -> None:
     """The preflight's refusal, checked again: torch's CUDA runtime needs this driver."""
-    minimum = data["driver_minimum"]
+    minimum = data.driver_minimum
     for name, _, driver in _gpus(host):
         assert driver_at_least(driver, minimum), (
             f"{name}: NVIDIA driver {driver} is older than {minimum}, the minimum for CUDA "
-            f"{data['card'].cuda} (card profile '{data['card'].name}')")
+            f"{data.card.cuda} (card profile '{data.card.name}')")
 
 
 TORCH_SEES_GPU = ("import json, torch; print(json.dumps([torch.cuda.is_available(), "
@@ -97,8 +97,8 @@ def test_torch_sees_the_gpu_as_service_user(host: Host, data: dict, m: dict) -> 
     if not host.file("/proc/driver/nvidia/version").exists:
         pytest.skip("no NVIDIA kernel driver here (/proc/driver/nvidia/version absent): no GPU")
     env, source = unit_env(host, data, m)
-    user = data["service_user"]
-    script = f"{data['venv_dir']}/bin/python -c {shlex.quote(TORCH_SEES_GPU)}"
+    user = data.service_user
+    script = f"{data.venv_dir}/bin/python -c {shlex.quote(TORCH_SEES_GPU)}"
     result = host.run(as_user(user, user_home(host, user), env, script))
     assert result.rc == 0, f"torch as {user} ({source}):\n{result.stdout}\n{result.stderr}"
     available, device = json.loads(result.stdout.strip().splitlines()[-1])
