@@ -41,6 +41,7 @@ from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.limit import LimitError, select
 
 CONNECT_TIMEOUT_S = 10
@@ -71,7 +72,7 @@ def _option(config: pytest.Config, name: str, default: object = None) -> object:
         return default
 
 
-def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
+def _select(config: pytest.Config) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """({donor: host data}, {edge: host data}) to verify, loaded once per process (no
     connection)."""
     cached = getattr(config, "_verify_selection", None)
@@ -98,12 +99,12 @@ def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
     return config._verify_selection  # type: ignore[attr-defined]
 
 
-def selected_donors(config: pytest.Config) -> dict[str, dict]:
+def selected_donors(config: pytest.Config) -> dict[str, DonorBox]:
     """{name: host data} of the donors to verify."""
     return _select(config)[0]
 
 
-def selected_edges(config: pytest.Config) -> dict[str, dict]:
+def selected_edges(config: pytest.Config) -> dict[str, EdgeBox]:
     """{name: host data} of the edges to verify."""
     return _select(config)[1]
 
@@ -127,7 +128,7 @@ def _probe(config: pytest.Config) -> dict[str, str]:
     if not boxes:
         return {}
 
-    def why(data: dict) -> str | None:
+    def why(data: DonorBox | EdgeBox) -> str | None:
         box = make_host(data, False, _option(config, "known_hosts"),
                         bool(_option(config, "accept_unknown_host_keys", False)))
         try:
@@ -203,7 +204,7 @@ def _axes(fixturenames: list[str]) -> tuple[str, ...]:
     return ("donor",)
 
 
-def _cases(data: dict, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+def _cases(data: DonorBox, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The parameter tuples one donor contributes for a test with these axes."""
     name = data.donor_name
     if "route" in axes:
@@ -263,7 +264,7 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         return client
 
 
-def make_host(data: dict, on_box: bool, known_hosts: str | None = None,
+def make_host(data: DonorBox | EdgeBox, on_box: bool, known_hosts: str | None = None,
               accept_unknown: bool = False) -> Host:
     """A testinfra Host for one donor; nothing connects until the first command."""
     if on_box:
@@ -283,31 +284,31 @@ _HOSTS: dict[str, Host | str] = {}
 
 
 @pytest.fixture
-def data(donor: str, request: pytest.FixtureRequest) -> dict:
+def data(donor: str, request: pytest.FixtureRequest) -> DonorBox:
     """The donor's host data, exactly as the deploy sees it."""
     return selected_donors(request.config)[donor]
 
 
 @pytest.fixture
-def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+def host(donor: str, data: DonorBox, request: pytest.FixtureRequest) -> Host:
     """The donor's box, connected once per process; an unreachable box errors every check once
     (the failure is remembered, so a dead host costs one timeout, not one per test)."""
     return connected(donor, data, request)
 
 
 @pytest.fixture
-def edge_data(edge: str, request: pytest.FixtureRequest) -> dict:
+def edge_data(edge: str, request: pytest.FixtureRequest) -> EdgeBox:
     """The edge's host data, exactly as the deploy sees it."""
     return selected_edges(request.config)[edge]
 
 
 @pytest.fixture
-def edge_host(edge: str, edge_data: dict, request: pytest.FixtureRequest) -> Host:
+def edge_host(edge: str, edge_data: EdgeBox, request: pytest.FixtureRequest) -> Host:
     """The edge's box, connected once per process (as `host` for a donor)."""
     return connected(edge, edge_data, request)
 
 
-def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+def connected(donor: str, data: DonorBox | EdgeBox, request: pytest.FixtureRequest) -> Host:
     """A box (donor or edge) by name, connected once per process."""
     if donor not in _HOSTS:
         box = make_host(data, bool(_option(request.config, "on_box")),
@@ -326,13 +327,13 @@ def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
 
 
 @pytest.fixture
-def m(data: dict, model: str) -> dict:
+def m(data: DonorBox, model: str) -> ServedModel:
     """The model profile of one unit on this donor."""
     return data.models[model]
 
 
 @pytest.fixture
-def route_model(data: dict, route: str) -> dict:
+def route_model(data: DonorBox, route: str) -> ServedModel:
     """The model profile a public hostname routes to."""
     name = next(r.model for r in data.routes if r.hostname == route)
     return data.models[name]

@@ -11,6 +11,7 @@ from boxcheck import loggers_for_host, missing, need_systemd, reverse_proxies, r
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.host_data import DonorBox, ServedModel
 from donorkit.paths import pki_dir
 from donorkit.values import duration_ns
 
@@ -57,7 +58,7 @@ def _adapted(host: Host) -> dict:
     return cached
 
 
-def test_caddyfile_is_rendered(host: Host, data: dict) -> None:
+def test_caddyfile_is_rendered(host: Host, data: DonorBox) -> None:
     live = host.file(_caddyfile(host)).content_string
     want = render.render_caddyfile(data)
     diff = "".join(difflib.unified_diff(want.splitlines(True), live.splitlines(True),
@@ -72,7 +73,7 @@ def test_caddy_validate(host: Host) -> None:
     assert result.rc == 0, f"`{command}` failed:\n{result.stderr.strip()[-2000:]}"
 
 
-def test_proxy_transport(host: Host, data: dict) -> None:
+def test_proxy_transport(host: Host, data: DonorBox) -> None:
     """keepalive off (a pooled half-open connection drops a POST silently) and the timeouts."""
     proxies = reverse_proxies(_adapted(host))
     assert proxies, "the adapted config has no reverse_proxy"
@@ -87,7 +88,7 @@ def test_proxy_transport(host: Host, data: dict) -> None:
             data.caddy_response_header_timeout)
 
 
-def test_route_upstream_is_its_model(host: Host, route: str, route_model: dict) -> None:
+def test_route_upstream_is_its_model(host: Host, route: str, route_model: ServedModel) -> None:
     routes = routes_for_host(_adapted(host), route)
     assert routes, f"no site for {route} in the adapted config"
     dials = sorted({u.get("dial") for r in routes for p in reverse_proxies(r)
@@ -95,7 +96,7 @@ def test_route_upstream_is_its_model(host: Host, route: str, route_model: dict) 
     assert dials == [f"127.0.0.1:{route_model.port}"], f"{route} proxies to {dials}"
 
 
-def test_route_listens_on_public_port(host: Host, data: dict, route: str) -> None:
+def test_route_listens_on_public_port(host: Host, data: DonorBox, route: str) -> None:
     config = _adapted(host)
     servers = config.get("apps", {}).get("http", {}).get("servers", {}).values()
     listen = [a for s in servers if any(routes_for_host({"apps": {"http": {"servers": {"s": s}}}},
@@ -103,7 +104,7 @@ def test_route_listens_on_public_port(host: Host, data: dict, route: str) -> Non
     assert f":{data.caddy_https_port}" in listen, f"{route} is served on {listen}"
 
 
-def test_access_log_scrubbed(host: Host, data: dict, route: str) -> None:
+def test_access_log_scrubbed(host: Host, data: DonorBox, route: str) -> None:
     loggers = loggers_for_host(_adapted(host), route)
     assert loggers, f"{route} has no access log"
     for log in loggers:
@@ -117,7 +118,7 @@ def test_access_log_scrubbed(host: Host, data: dict, route: str) -> None:
             "regexp", "=[^&]*", "=REDACTED"), f"{route}: query values are logged: {uri}"
 
 
-def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: dict) -> None:
+def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: DonorBox) -> None:
     """No TCP admin port a local user could load a config through; the socket's directory is
     caddy's, 0750; the service user cannot reach it; `systemctl reload caddy` goes through it."""
     socket = data.caddy_admin_socket
@@ -139,7 +140,7 @@ def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: dict) -
     assert reload.rc == 0, f"systemctl reload caddy failed: {reload.stderr}"
 
 
-def test_tls_certificate(host: Host, data: dict) -> None:
+def test_tls_certificate(host: Host, data: DonorBox) -> None:
     """The box's pair from our private CA (the edge verifies it), naming every routed hostname."""
     from cryptography import x509
 
@@ -158,7 +159,7 @@ def test_tls_certificate(host: Host, data: dict) -> None:
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_path.read_bytes()))
 
 
-def test_box_is_not_drained_from_the_edges(host: Host, data: dict) -> None:
+def test_box_is_not_drained_from_the_edges(host: Host, data: DonorBox) -> None:
     """The rolling rollout's drain flag is gone (every successful deploy removes it): while it
     exists the box's Caddy fails every edge's health check, so no edge sends it traffic (a
     rollout that stopped at this box leaves it; `make rollout FROM=<box>` or a deploy of it

@@ -15,10 +15,11 @@ from boxcheck import missing
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import pki_dir
 
 
-def _on_box_ca(host: Host, data: dict) -> str:
+def _on_box_ca(host: Host, data: DonorBox) -> str:
     """A shell prefix that writes our CA (from this machine) to $ca on the box, or uses -k."""
     ca = pki_dir(data) / "ca.crt"
     text = ca.read_text() if ca.is_file() else ""
@@ -26,7 +27,7 @@ def _on_box_ca(host: Host, data: dict) -> str:
             "> \"$ca\"; ") + ("verify=--cacert; " if text else "verify=-k; ca=; ")
 
 
-def test_edge_caddyfile_is_rendered(edge_host: Host, edge_data: dict) -> None:
+def test_edge_caddyfile_is_rendered(edge_host: Host, edge_data: EdgeBox) -> None:
     path = render.CADDYFILE
     if not edge_host.file(path).exists:
         missing(edge_host, f"{path} does not exist")
@@ -46,7 +47,7 @@ def test_edge_caddy_validate(edge_host: Host) -> None:
     assert result.rc == 0, f"`{command}` failed:\n{result.stderr.strip()[-2000:]}"
 
 
-def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
+def test_edge_tls_files(edge_host: Host, edge_data: EdgeBox) -> None:
     """Our CA, the edge's client pair (and its public pair with private_ca): present, the keys
     0640 root:caddy, and each the operator's own file (same bytes as in pki_dir)."""
     paths = render.edge_paths(edge_data)
@@ -94,7 +95,7 @@ def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
             x509.load_pem_x509_certificate(client_ca.read_bytes()))
 
 
-def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_data: dict,
+def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_data: EdgeBox,
                                                        site: str, upstream: str) -> None:
     """From the edge, as its Caddy does: TLS to the donor verified against our CA, the public
     hostname as SNI and Host, the edge's client certificate; /v1/models lists the checkpoint
@@ -120,7 +121,7 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
     assert [m["id"] for m in json.loads(body)["data"]] == [entry["checkpoint"]]
 
 
-def test_donor_refuses_a_client_without_certificate(host: Host, data: dict,
+def test_donor_refuses_a_client_without_certificate(host: Host, data: DonorBox,
                                                     route: str) -> None:
     """Straight to the donor's Caddy with the public hostname, no client certificate: the TLS
     handshake fails and curl never gets an HTTP status. Which error curl reports depends on when

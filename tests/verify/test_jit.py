@@ -16,6 +16,8 @@ from boxcheck import (
 )
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox, ServedModel
+
 KERNEL = r"""
 #include <cuda_runtime.h>
 __global__ void preflight(int *out) { *out = 42; }
@@ -45,7 +47,7 @@ echo PREFLIGHT-OK
 """
 
 
-def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
+def test_jit_compile_as_service_user(host: Host, data: DonorBox, m: ServedModel) -> None:
     env, source = unit_env(host, data, m)
     print(f"environment from {source}")
     user = data.service_user
@@ -63,7 +65,7 @@ def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
         f"of {source}, failed (rc {result.rc}):\n{result.stdout}\n{result.stderr}")
 
 
-def test_service_user_home_writable(host: Host, data: dict) -> None:
+def test_service_user_home_writable(host: Host, data: DonorBox) -> None:
     """FlashInfer's JIT cache lives under the service user's home."""
     user = data.service_user
     home = user_home(host, user)

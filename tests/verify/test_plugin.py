@@ -5,6 +5,8 @@ from __future__ import annotations
 from boxcheck import missing, venv_json
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox
+
 # vLLM loads plugins through this entry point group.
 GROUP = "vllm.general_plugins"
 
@@ -30,7 +32,7 @@ print(json.dumps(out))
 """
 
 
-def _plugin(host: Host, data: dict) -> dict:
+def _plugin(host: Host, data: DonorBox) -> dict:
     dist = data.vllm_exl3_plugin_dist
     found = venv_json(host, data.venv_dir, INSPECT.replace("{dist!r}", repr(dist)),
                       f"inspect {dist}")
@@ -40,7 +42,7 @@ def _plugin(host: Host, data: dict) -> dict:
     return found
 
 
-def test_plugin_installed_editable(host: Host, data: dict) -> None:
+def test_plugin_installed_editable(host: Host, data: DonorBox) -> None:
     dist = data.vllm_exl3_plugin_dist
     direct = _plugin(host, data)["direct_url"]
     assert direct, f"{dist} has no direct_url.json: not installed from a directory"
@@ -50,7 +52,7 @@ def test_plugin_installed_editable(host: Host, data: dict) -> None:
         f"{dist} is installed from {direct.get('url')}, not {data.vllm_exl3_plugin_dir}")
 
 
-def test_plugin_entry_point_loads(host: Host, data: dict) -> None:
+def test_plugin_entry_point_loads(host: Host, data: DonorBox) -> None:
     found = _plugin(host, data)
     assert found["entry_points"], (
         f"{data.vllm_exl3_plugin_dist} declares no {GROUP} entry point")

@@ -12,6 +12,7 @@ from boxcheck import as_user, check, missing, sass_archs, sm, unit_env, user_hom
 from testinfra.host import Host
 
 from donorkit.box_operations import driver_at_least
+from donorkit.host_data import DonorBox, ServedModel
 
 VERSIONS = ("import importlib.metadata as md, json\n"
             "def version(name):\n"
@@ -26,7 +27,7 @@ def _base(version: str) -> str:
     return version.split("+", 1)[0]  # torch's local version (+cu130) names the wheel variant
 
 
-def test_vllm_version(host: Host, data: dict) -> None:
+def test_vllm_version(host: Host, data: DonorBox) -> None:
     found = venv_json(host, data.venv_dir, VERSIONS, "installed versions")
     if found["vllm"] is None:
         missing(host, f"vllm is not installed in {data.venv_dir}")
@@ -34,13 +35,13 @@ def test_vllm_version(host: Host, data: dict) -> None:
     assert found["vllm"] == data.vllm_installed_version
 
 
-def test_torch_version(host: Host, data: dict) -> None:
+def test_torch_version(host: Host, data: DonorBox) -> None:
     found = venv_json(host, data.venv_dir, VERSIONS, "installed versions")
     assert found["torch"], f"torch is not installed in {data.venv_dir}"
     assert _base(found["torch"]) == data.torch_version, found["torch"]
 
 
-def test_torch_cuda_major_matches_nvcc(host: Host, data: dict) -> None:
+def test_torch_cuda_major_matches_nvcc(host: Host, data: DonorBox) -> None:
     """PyTorch's extension builder refuses an nvcc of another major (DESIGN.md)."""
     torch_cuda = venv_json(host, data.venv_dir, TORCH_CUDA, "torch.version.cuda")
     assert torch_cuda, "torch in the venv is a CPU-only build (torch.version.cuda is None)"
@@ -51,7 +52,7 @@ def test_torch_cuda_major_matches_nvcc(host: Host, data: dict) -> None:
         f"torch is built for CUDA {torch_cuda}, {data.cuda_home}/bin/nvcc is {nvcc[1]}.x")
 
 
-def test_exllamav3_ext_built_for_card(host: Host, data: dict) -> None:
+def test_exllamav3_ext_built_for_card(host: Host, data: DonorBox) -> None:
     path = venv_json(host, data.venv_dir, EXT, "import exllamav3_ext")
     want = sm(data.card.arch)
     found, how = sass_archs(host, data.cuda_home, f"{data.venv_dir}/bin/python", path)
@@ -70,7 +71,7 @@ def _gpus(host: Host) -> list[tuple[str, str, str]]:
     return gpus
 
 
-def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
+def test_gpu_is_the_inventory_card(host: Host, data: DonorBox) -> None:
     card = data.card
     for name, cap, _ in _gpus(host):
         assert (name, cap) == (card.gpu_name, card.arch), (
@@ -78,7 +79,7 @@ def test_gpu_is_the_inventory_card(host: Host, data: dict) -> None:
             f"{card.gpu_name} (compute {card.arch})")
 
 
-def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: dict) -> None:
+def test_driver_is_new_enough_for_the_card_cuda(host: Host, data: DonorBox) -> None:
     """The preflight's refusal, checked again: torch's CUDA runtime needs this driver."""
     minimum = data.driver_minimum
     for name, _, driver in _gpus(host):
@@ -91,7 +92,7 @@ TORCH_SEES_GPU = ("import json, torch; print(json.dumps([torch.cuda.is_available
                   "torch.cuda.device_count() and torch.cuda.get_device_name(0)]))")
 
 
-def test_torch_sees_the_gpu_as_service_user(host: Host, data: dict, m: dict) -> None:
+def test_torch_sees_the_gpu_as_service_user(host: Host, data: DonorBox, m: ServedModel) -> None:
     """`torch.cuda.is_available()` as the service user with the unit's environment: what
     "CUDA driver version is insufficient for CUDA runtime version" breaks, after installing."""
     if not host.file("/proc/driver/nvidia/version").exists:

@@ -15,16 +15,17 @@ from boxcheck import (
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.host_data import DonorBox, ServedModel
 from donorkit.serving import hf_token_path, home_token_path
 
 
-def test_unit_enabled(host: Host, m: dict) -> None:
+def test_unit_enabled(host: Host, m: ServedModel) -> None:
     unit_show(host, m.unit)
     state = host.run("systemctl is-enabled %s", m.unit).stdout.strip()
     assert state == "enabled", f"{m.unit} is {state!r}"
 
 
-def test_unit_active(host: Host, m: dict) -> None:
+def test_unit_active(host: Host, m: ServedModel) -> None:
     """Restart=always hides a crash loop as "activating (auto-restart)"; active means running."""
     state = unit_show(host, m.unit, "ActiveState", "SubState")
     assert (state["ActiveState"], state["SubState"]) == ("active", "running"), (
@@ -32,7 +33,7 @@ def test_unit_active(host: Host, m: dict) -> None:
         f"see journalctl -u {m.unit}")
 
 
-def test_unit_environment(host: Host, data: dict, m: dict) -> None:
+def test_unit_environment(host: Host, data: DonorBox, m: ServedModel) -> None:
     unit_show(host, m.unit)
     live = live_unit_environment(host, m.unit)
     want = expected_environment(data, m)
@@ -44,11 +45,11 @@ def test_unit_environment(host: Host, data: dict, m: dict) -> None:
         f"  unexpected: {extra}\n  missing: {absent}\n  (live, expected): {wrong}")
 
 
-def test_unit_user(host: Host, data: dict, m: dict) -> None:
+def test_unit_user(host: Host, data: DonorBox, m: ServedModel) -> None:
     assert unit_show(host, m.unit, "User")["User"] == data.service_user
 
 
-def test_unit_service_setting(host: Host, data: dict, m: dict, setting: str) -> None:
+def test_unit_service_setting(host: Host, data: DonorBox, m: ServedModel, setting: str) -> None:
     """One [Service] setting of unit_service, compared as systemd normalises it."""
     prop, normalise = SERVICE_PROPERTIES.get(setting, (setting, str))
     live = unit_show(host, m.unit, prop).get(prop)
@@ -57,12 +58,12 @@ def test_unit_service_setting(host: Host, data: dict, m: dict, setting: str) -> 
     assert normalise(live) == normalise(want), f"{prop}={live}, inventory {setting}={want}"
 
 
-def test_unit_exec_start(host: Host, data: dict, m: dict) -> None:
+def test_unit_exec_start(host: Host, data: DonorBox, m: ServedModel) -> None:
     argv = unit_argv(host, m.unit)
     assert argv == render.exec_start(data, m)
 
 
-def test_unit_binds_loopback_without_alias(host: Host, m: dict) -> None:
+def test_unit_binds_loopback_without_alias(host: Host, m: ServedModel) -> None:
     """vLLM listens on all interfaces unless --host is given; an alias hides the checkpoint."""
     argv = unit_argv(host, m.unit)
     hosts = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--host"]
@@ -84,7 +85,7 @@ def test_caddy_enabled(host: Host) -> None:
     assert state == "enabled", f"caddy.service is {state!r}"
 
 
-def test_retired_units_gone(host: Host, data: dict) -> None:
+def test_retired_units_gone(host: Host, data: DonorBox) -> None:
     """Units of identities this box no longer serves must not hold the GPU."""
     need_systemd(host, "retired model units")
     for unit in data.retired_units:
@@ -92,7 +93,7 @@ def test_retired_units_gone(host: Host, data: dict) -> None:
         assert "LoadState=loaded" not in state, f"{unit} is still installed: {state.split()}"
 
 
-def test_unit_leaves_the_gpu_devices_open(host: Host, m: dict) -> None:
+def test_unit_leaves_the_gpu_devices_open(host: Host, m: ServedModel) -> None:
     """The sandbox must not close the device list (DeviceAllow=, or ProtectClock= which implies
     one): /dev/nvidia* would be refused and CUDA would see no GPU."""
     state = unit_show(host, m.unit, "DevicePolicy", "DeviceAllow", "PrivateDevices")
@@ -101,7 +102,7 @@ def test_unit_leaves_the_gpu_devices_open(host: Host, m: dict) -> None:
         "auto", "", "no"), f"{m.unit}: {state}"
 
 
-def test_unit_is_sandboxed(host: Host, m: dict) -> None:
+def test_unit_is_sandboxed(host: Host, m: ServedModel) -> None:
     """The hardening of defaults.yml, as systemd loaded it."""
     state = unit_show(host, m.unit, "NoNewPrivileges", "ProtectSystem", "ProtectHome",
                       "CapabilityBoundingSet", "PrivateTmp", "RestrictNamespaces")
@@ -110,7 +111,7 @@ def test_unit_is_sandboxed(host: Host, m: dict) -> None:
         "yes", "strict", "tmpfs", "", "yes"), f"{m.unit}: {state}"
 
 
-def test_hf_token_only_where_root_alone_reads_it(host: Host, data: dict) -> None:
+def test_hf_token_only_where_root_alone_reads_it(host: Host, data: DonorBox) -> None:
     """Issue 21, hole 8. The service user's home is the vLLM units': no token there. With a
     token in the inventory it is root's, 0600 in a 0700 folder of root's, and the service user
     (each vLLM unit's User=) cannot open it (the weights step's root shell hands it to the fetch
