@@ -101,7 +101,7 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         install = venv_install(card, settings)
     except RequirementsFileError as exc:
         raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
-    return DonorBox(
+    return DonorBox.model_construct(
         **{field: getattr(settings, field) for field in schema.Settings.model_fields
            if field not in ("vllm_executable", "unit_service")},
         **_ssh_data(donor),
@@ -118,11 +118,12 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         # defaults.yml's order (the unit's text, so its digest, follows it).
         unit_service={k: v.replace("{service_home}", service_home) if isinstance(v, str) else v
                       for k, v in merged["unit_service"].items()},
-        routes=[Route(hostname=h, model=m) for h, m in sorted(donor.routes.items())],
-        models={m: ServedModel(name=m, unit=f"vllm-{m}.service",
-                               **{**dict(settings.models[m]),
-                                  "args": [str(a) for a in settings.models[m].args]})
-                for m in served},
+        routes=[Route.model_construct(hostname=h, model=m)
+                for h, m in sorted(donor.routes.items())],
+        models={m: ServedModel.model_construct(
+            name=m, unit=f"vllm-{m}.service",
+            **{**dict(settings.models[m]), "args": [str(a) for a in settings.models[m].args]})
+            for m in served},
         # Units of the identities this box does not serve: removed, so a switch frees the GPU.
         retired_units=[f"vllm-{m}.service" for m in sorted(settings.models) if m not in served],
         **install,
@@ -182,13 +183,14 @@ def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
         for donor in pool.donors:
             address = donors[donor].ssh_hostname
             address = f"[{address}]" if ":" in address else address
-            upstreams.append(Upstream(donor=donor,
-                                      address=f"{address}:{donors[donor].caddy_https_port}"))
-        sites.append(Site(hostname=hostname, model=pool.model, checkpoint=pool.checkpoint,
-                          upstreams=upstreams, zone=hostname.replace(".", "_").replace("-", "_")))
+            upstreams.append(Upstream.model_construct(
+                donor=donor, address=f"{address}:{donors[donor].caddy_https_port}"))
+        sites.append(Site.model_construct(
+            hostname=hostname, model=pool.model, checkpoint=pool.checkpoint, upstreams=upstreams,
+            zone=hostname.replace(".", "_").replace("-", "_")))
     kept = {field: getattr(settings, field) for field in EdgeBox.model_fields
             if field in schema.Settings.model_fields and field != "caddy_source"}
-    return EdgeBox(
+    return EdgeBox.model_construct(
         **kept,
         **_ssh_data(edge),
         edge_name=name,

@@ -7,28 +7,38 @@ read the same models (`load_inventory` returns them), never a key no model names
 The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
 donors file's overrides, validated there); the rest is derived once, in donorkit.fleet: the card
 profile with its name, the served models with their units, the CUDA paths, the venv's install.
-An edge carries the few settings its Caddy needs and one site per public hostname."""
+An edge carries the few settings its Caddy needs and one site per public hostname.
+
+The loader makes these from data it has validated (defaults.yml and the donors file, as
+`schema.Defaults`, `Donor`, `Edge`) with `model_construct`: not validated a second time, and
+their validators are built only if something validates one (pydantic's `defer_build`), not on
+every run of the deploy. tests/unit/test_fleet.py validates every box the shipped and testbed
+inventories give against its model, so the types said here are the types the loader makes."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Tag
+from pydantic import ConfigDict, Discriminator, Tag
 
 from donorkit.card_profiles import CpuCard, CudaCard, engine_tag
 from donorkit.schema import EdgeProxy, RateLimit, Settings
 from donorkit.values import Name, Strict
 
+DERIVED = ConfigDict(defer_build=True)
+
 
 class CudaHostCard(CudaCard):
     """A GPU box's card profile, with the name it has in defaults.yml `cards:`."""
 
+    model_config = DERIVED
     name: Name
 
 
 class CpuHostCard(CpuCard):
     """vLLM's CPU engine's profile, with its name."""
 
+    model_config = DERIVED
     name: Name
 
 
@@ -39,12 +49,13 @@ HostCard = Annotated[Annotated[CudaHostCard, Tag("engine=cuda")]
 def host_card(name: str, card: CudaCard | CpuCard) -> CudaHostCard | CpuHostCard:
     """The profile `card` of defaults.yml `cards:` (validated there), named."""
     typed = CudaHostCard if isinstance(card, CudaCard) else CpuHostCard
-    return typed(**dict(card), name=name)
+    return typed.model_construct(**dict(card), name=name)
 
 
 class ServedModel(Strict):
     """A model identity this donor serves (defaults.yml `models:`, merged), with its unit."""
 
+    model_config = DERIVED
     name: Name                          # the identity: `qwen`
     unit: str                           # its systemd unit: `vllm-qwen.service`
     checkpoint: str
@@ -63,6 +74,7 @@ class ServedModel(Strict):
 class Route(Strict):
     """A public hostname routed to this donor, and the model identity it reaches."""
 
+    model_config = DERIVED
     hostname: str
     model: Name
 
@@ -70,6 +82,7 @@ class Route(Strict):
 class Upstream(Strict):
     """One donor behind an edge's site: its name, and `address:port` of its Caddy."""
 
+    model_config = DERIVED
     donor: Name
     address: str
 
@@ -78,6 +91,7 @@ class Site(Strict):
     """One public hostname on an edge: the model and checkpoint behind it, its donors, and the
     rate limit's zone name (the hostname as one word)."""
 
+    model_config = DERIVED
     hostname: str
     model: Name
     checkpoint: str
@@ -88,6 +102,7 @@ class Site(Strict):
 class _Login(Strict):
     """How pyinfra reaches the box: these fields are pyinfra's own host data keys."""
 
+    model_config = DERIVED
     ssh_hostname: str
     ssh_user: str
     ssh_port: int
@@ -147,6 +162,12 @@ class DonorBox(_Login, Settings):
     @property
     def cuda_engine(self) -> bool:
         return self.card.engine == "cuda"
+
+    @property
+    def exllamav3_stamp(self) -> str:
+        """The exllamav3 stack installed in the venv (tasks/exllamav3.py writes it; a change
+        restarts the units, tasks/units.py)."""
+        return f"{self.install_root}/state/exllamav3.stack"
 
 
 class EdgeBox(_Login):

@@ -23,7 +23,7 @@ How the pieces fit (donorkit.fleet does the loading):
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from donorkit.card_profiles import AcceptanceSettings, Card, CudaCard, variant_cuda
 from donorkit.unit_settings import UnitEnvName, UnitService
@@ -135,7 +135,11 @@ class EdgeProxy(Strict):
 
 class Settings(Strict):
     """defaults.yml less its catalogues (`cards:`, `models:`): the settings a box's typed host
-    data carries as they are (donorkit/host_data.py's `DonorBox` extends this)."""
+    data carries as they are (donorkit/host_data.py's `DonorBox` extends this). Never validated
+    alone: its validator is built with the first model that validates (`Defaults`), not at
+    import (pydantic's `defer_build`; every run imports this)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     supported_distros: list[Distro]
     require_nvidia_smi: bool

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.fleet import DONORS_FILE, FleetError, load_fleet
+from donorkit.fleet import DONORS_FILE, FleetError, load_fleet, load_inventory
 from donorkit.paths import REPO_ROOT
 
 GOOD = textwrap.dedent("""\
@@ -244,3 +244,18 @@ def test_yaml_is_parsed_by_libyaml_with_the_same_duplicate_key_refusal() -> None
     assert yaml.load("a: 1\nb: 2\n", Loader=fast) == {"a": 1, "b": 2}
     with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'a'"):
         yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=inventory_files._FastUniqueKeyLoader)
+
+
+@pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
+                                    "tests/testbed/donors-cpu.yml", "gpu/engine.yml"])
+def test_every_box_the_loader_makes_is_what_its_model_says(donors: str) -> None:
+    """The loader builds DonorBox / EdgeBox without validating them again (model_construct:
+    their parts come from validated data); validated here, strictly, field by field, so a
+    derived value of the wrong type or shape fails this test."""
+    fleet, edges = load_inventory(REPO_ROOT / donors)
+    assert fleet
+    for box in [*fleet.values(), *edges.values()]:
+        checked = type(box).model_validate(box.model_dump())
+        assert checked.model_dump() == box.model_dump()
+        assert {f: type(getattr(checked, f)) for f in type(box).model_fields} == \
+            {f: type(getattr(box, f)) for f in type(box).model_fields}
