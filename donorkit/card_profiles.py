@@ -106,8 +106,12 @@ class CpuCard(_CardBase):
 
 
 def engine_tag(card: Any) -> str:
-    """The union's branch of a card profile, from its `engine` (cuda when not said)."""
-    engine = card.get("engine", "cuda") if isinstance(card, dict) else getattr(card, "engine", "")
+    """The union's branch of a card profile, from its `engine`: in defaults.yml's text, CudaCard's
+    own default when it is not said (a GPU's profile needs no `engine:` line)."""
+    if isinstance(card, dict):
+        engine = card.get("engine", CudaCard.model_fields["engine"].default)
+    else:
+        engine = getattr(card, "engine", "")
     return f"engine={engine}"
 
 

@@ -22,11 +22,11 @@ def apply() -> None:
     install_root = host.data.install_root
     site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
     shared_dependencies = [f"{site_packages}/*.dist-info"]
-    if host.data.card.engine == "cuda":  # a cpu engine has no plugin and no exllamav3
+    if box.cuda_engine:  # a cpu engine has no plugin and no exllamav3
         shared_dependencies += [
             f"{host.data.vllm_exl3_plugin_dir}/{PLUGIN_TREE_STAMP}",
             f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
-            f"{install_root}/state/exllamav3.stack",
+            box.exllamav3_stamp,
         ]
 
     gate = f"{install_root}/bin/wait_ready.py"

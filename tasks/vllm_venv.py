@@ -24,7 +24,7 @@ def apply() -> None:
         uv=f"uv=={host.data.uv_version}",
         busy_marker=VENV_BUSY_MARKER,
     )
-    if host.data.card.engine == "cuda":
+    if host.data.card.engine == "cuda":  # a cpu engine has no toolkit
         torch_matches_nvcc(
             name="Check torch's CUDA major against nvcc's",
             cuda_home=host.data.cuda_home,
