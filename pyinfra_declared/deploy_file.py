@@ -5,14 +5,16 @@ pyinfra orders operations by the line numbers of the call stack (`get_operation_
 through `inspect.stack()` and `inspect.getframeinfo`). For each frame, `inspect` asks which module
 the frame's file belongs to (`inspect.getmodule`): a module's file is a dictionary hit, but the
 deploy file is no module (pyinfra's CLI compiles and `exec`s it), so each lookup walks the whole
-of `sys.modules` again, about 1,200 modules in an SSH run, three times per operation. Measured on
-the testbed's no-op re-run: the largest part of the controller's per-host cost.
+of `sys.modules` again, about 1,200 modules in an SSH run, three times per operation. In the
+profile of the testbed's no-op re-run (bench/noop_rerun.py --profile, 4 hosts) that lookup was
+the controller's largest single cost.
 
 `register(state)` (once per deploy file; deploy.py calls it first) adds an empty module object
 whose `__file__` is the deploy file to `sys.modules`, under a name no import uses: `inspect`'s
-next scan records its file, and every lookup after it is a hit. Nothing of pyinfra is changed or patched, and nothing reads that module: it answers
-"which file is this", which `inspect` then reads from the file itself as before (the frames'
-line numbers, hence the operations' order, are the same). Nothing about donor boxes.
+next scan records its file, and every lookup after it is a hit. Nothing of pyinfra is changed or
+patched, and nothing reads that module: it answers "which file is this", which `inspect` then
+reads from the file itself as before (the frames' line numbers, hence the operations' order, are
+the same). Nothing about donor boxes.
 """
 
 from __future__ import annotations
