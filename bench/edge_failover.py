@@ -71,7 +71,7 @@ class Bench:
                 models={"qwen": donors[name].models["qwen"].model_copy(
                     update={"port": MODEL_PORTS[i]})}))
             self.donor_files.append(write(render.render_host(data), tmp / name, tmp))
-        pool = [Upstream(donor=n, address=f"127.0.0.1:{p}")
+        pool = [Upstream.model_construct(donor=n, address=f"127.0.0.1:{p}")  # labels, not names
                 for n, p in zip(("A", "B"), DONOR_PORTS, strict=True)]
         edge = edges["tb-edge"].model_copy(update=dict(
             pki_dir=pki, caddy_tls_dir=str(tmp / "edge" / "tls"),
@@ -237,7 +237,7 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
             key = "AB"[i]
             bench.stop(f"model{key}")
             bench.start(f"model{key}", bench.model(i))
-            Path(rollout.drain_flag(box.data)).unlink()  # the deploy's last step
+            Path(render.drain_flag(box.data)).unlink()  # the deploy's last step
             began = time.monotonic()
             why = fleet.wait_in_service(box, 60) or fleet.wait_back(box, since, 60)
             assert why is None, why
