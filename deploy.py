@@ -8,7 +8,7 @@ Usage: pyinfra inventory/gpus.py deploy.py [--limit HOST]
 
 from pyinfra import host, state
 
-from pyinfra_declared import progress
+from pyinfra_declared import deploy_file, progress
 from tasks import (
     build_tools,
     caddy,
@@ -28,6 +28,9 @@ from tasks import (
 # A long step (CUDA packages, the vLLM venv, the exllamav3 build, the weights) is named in the
 # run every 30 s while it runs, and timed when it ends (pyinfra_declared/progress.py).
 progress.register(state)
+# This file known as a module file: pyinfra's stack walk, per operation, finds it at once
+# (pyinfra_declared/deploy_file.py).
+deploy_file.register(state)
 
 if "donors" in host.groups:
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from donorkit import render
 from donorkit.fleet import load_inventory
+from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
 
 HOSTNAME = "hermes.ai.unturf.com"
@@ -63,19 +64,20 @@ class Bench:
         pki = str(tmp / "pki")
         self.donor_files = []
         for i, name in enumerate(("tb-4090", "tb-4090b")):
-            data = dict(donors[name], pki_dir=pki, caddy_tls_dir=str(tmp / name / "tls"),
-                        install_root=str(tmp / name),
-                        caddy_access_log=str(tmp / name / "access.log"),
-                        caddy_https_port=DONOR_PORTS[i],
-                        caddy_admin_socket=str(tmp / name / "admin.sock"))
-            data["models"] = {"qwen": dict(data["models"]["qwen"], port=MODEL_PORTS[i])}
+            data = donors[name].model_copy(update=dict(
+                pki_dir=pki, caddy_tls_dir=str(tmp / name / "tls"), install_root=str(tmp / name),
+                caddy_access_log=str(tmp / name / "access.log"), caddy_https_port=DONOR_PORTS[i],
+                caddy_admin_socket=str(tmp / name / "admin.sock"),
+                models={"qwen": donors[name].models["qwen"].model_copy(
+                    update={"port": MODEL_PORTS[i]})}))
             self.donor_files.append(write(render.render_host(data), tmp / name, tmp))
-        edge = dict(edges["tb-edge"], pki_dir=pki, caddy_tls_dir=str(tmp / "edge" / "tls"),
-                    caddy_access_log=str(tmp / "edge" / "access.log"), edge_https_port=EDGE_PORT,
-                    caddy_admin_socket=str(tmp / "edge" / "admin.sock"))
-        pool = [{"donor": n, "address": f"127.0.0.1:{p}"}
+        pool = [Upstream.model_construct(donor=n, address=f"127.0.0.1:{p}")  # labels, not names
                 for n, p in zip(("A", "B"), DONOR_PORTS, strict=True)]
-        edge["sites"] = [dict(site, upstreams=pool) for site in edge["sites"]]
+        edge = edges["tb-edge"].model_copy(update=dict(
+            pki_dir=pki, caddy_tls_dir=str(tmp / "edge" / "tls"),
+            caddy_access_log=str(tmp / "edge" / "access.log"), edge_https_port=EDGE_PORT,
+            caddy_admin_socket=str(tmp / "edge" / "admin.sock"),
+            sites=[site.model_copy(update={"upstreams": pool}) for site in edges["tb-edge"].sites]))
         self.edge_file = write(render.render_edge(edge), tmp / "edge", tmp)
         self.procs: dict[str, subprocess.Popen] = {}
         self.context = ssl.create_default_context(cafile=str(tmp / "pki" / "ca.crt"))
@@ -191,14 +193,17 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
     donors, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
     boxes = []
     for i, name in enumerate(("tb-4090", "tb-4090b")):
-        data = dict(donors[name], pki_dir=str(tmp / "pki"), install_root=str(tmp / name),
-                    ssh_hostname="127.0.0.1", caddy_https_port=DONOR_PORTS[i])
-        data["models"] = {"qwen": dict(data["models"]["qwen"], port=MODEL_PORTS[i])}
+        data = donors[name].model_copy(update=dict(
+            pki_dir=str(tmp / "pki"), install_root=str(tmp / name), ssh_hostname="127.0.0.1",
+            caddy_https_port=DONOR_PORTS[i],
+            models={"qwen": donors[name].models["qwen"].model_copy(
+                update={"port": MODEL_PORTS[i]})}))
         boxes.append(rollout_plan.Box(name, data))
-    edge = dict(edges["tb-edge"], caddy_admin_socket=str(tmp / "edge" / "admin.sock"))
-    pool = [{"donor": b.name, "address": f"127.0.0.1:{p}"}
+    pool = [Upstream(donor=b.name, address=f"127.0.0.1:{p}")
             for b, p in zip(boxes, DONOR_PORTS, strict=True)]
-    edge["sites"] = [dict(site, upstreams=pool) for site in edge["sites"]]
+    edge = edges["tb-edge"].model_copy(update=dict(
+        caddy_admin_socket=str(tmp / "edge" / "admin.sock"),
+        sites=[site.model_copy(update={"upstreams": pool}) for site in edges["tb-edge"].sites]))
 
     class LocalFleet(rollout.RolloutHosts):
         def remote(self, host):
@@ -232,7 +237,7 @@ def rollout_case(bench: Bench, count: int, seconds: float) -> None:
             key = "AB"[i]
             bench.stop(f"model{key}")
             bench.start(f"model{key}", bench.model(i))
-            Path(rollout.drain_flag(box.data)).unlink()  # the deploy's last step
+            Path(render.drain_flag(box.data)).unlink()  # the deploy's last step
             began = time.monotonic()
             why = fleet.wait_in_service(box, 60) or fleet.wait_back(box, since, 60)
             assert why is None, why

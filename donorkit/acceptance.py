@@ -14,10 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from donorkit.card_profiles import Baseline, CardAcceptance, Workload
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT
 from donorkit.render import pki_for
-from donorkit.schema import AcceptanceSettings, Baseline, CardAcceptance, Workload
 
 RECORD_VERSION = 1
 TOOL_CASES_FILE = Path(__file__).with_name("tool_cases.yml")
@@ -124,29 +125,30 @@ TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 # /metrics to this one only.
 
 
-def _edge_route(edges: dict[str, dict], donor: str, hostname: str) -> tuple[dict | None, str]:
+def _edge_route(edges: dict[str, EdgeBox], donor: str, hostname: str
+                ) -> tuple[EdgeBox | None, str]:
     """The edge to measure `donor` through for `hostname`, or None, and why. Through an edge only
     when its site for the hostname has this donor alone (else its load balancer spreads the run
     over other donors, maybe of other cards, and the record would not be this donor's) and no
     rate limit (the seed's 3 events per second per client would refuse the concurrent prompts)."""
     why = "no edge serves it"
     for name, edge in sorted(edges.items()):
-        site = next((s for s in edge["sites"] if s["hostname"] == hostname), None)
+        site = next((s for s in edge.sites if s.hostname == hostname), None)
         if site is None:
             continue
-        pool = [u["donor"] for u in site["upstreams"]]
+        pool = [u.donor for u in site.upstreams]
         if pool != [donor]:
             why = f"edge {name} spreads it over {len(pool)} donors ({', '.join(pool)})"
-        elif edge["rate_limit"]:
-            why = f"edge {name} rate-limits it ({edge['rate_limit']['events']} per " \
-                  f"{edge['rate_limit']['window']})"
+        elif edge.rate_limit:
+            why = f"edge {name} rate-limits it ({edge.rate_limit.events} per " \
+                  f"{edge.rate_limit.window})"
         else:
             return edge, f"through edge {name} (this donor is its only upstream for {hostname})"
     return None, why
 
 
-def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
-                       edges: dict[str, dict] | None = None) -> list[Target]:
+def targets_from_fleet(fleet: dict[str, DonorBox], via: str | None = None,
+                       edges: dict[str, EdgeBox] | None = None) -> list[Target]:
     """One Target per donor and model identity (its first hostname in sorted order), always
     with the hostname as TLS server name and Host. With `via` (a base URL), the client goes
     there. Else through an edge serving the hostname where that measures this donor alone
@@ -155,43 +157,43 @@ def targets_from_fleet(fleet: dict[str, dict], via: str | None = None,
     presenting the operator's client certificate from the client CA (OPERATOR_CLIENT)."""
     targets = []
     for name, data in fleet.items():
-        settings = AcceptanceSettings.model_validate(data["acceptance"])
-        card = data["card"]
+        settings = data.acceptance
+        card = data.card
         card_acc = card.acceptance
         workload = settings.workload.model_copy(
             update=card_acc.workload.model_dump(exclude_none=True))
         seen = set()
-        for route in data["routes"]:
-            model = data["models"][route["model"]]
-            if route["model"] in seen:
+        for route in data.routes:
+            model = data.models[route.model]
+            if route.model in seen:
                 continue
-            seen.add(route["model"])
+            seen.add(route.model)
             ca = pki_dir(data) / "ca.crt"
             client, edge = None, None
             if via:
                 base, ca_file, route_note = via.rstrip("/"), None, f"through {via} (--via)"
             else:
-                edge, route_note = _edge_route(edges or {}, name, route["hostname"])
+                edge, route_note = _edge_route(edges or {}, name, route.hostname)
             if edge:
-                address = edge["ssh_hostname"]
+                address = edge.ssh_hostname
                 address = f"[{address}]" if ":" in address else address
-                base = f"https://{address}:{edge['edge_https_port']}"
-                ca_file = str(ca) if edge["public_tls"] == "private_ca" else None
+                base = f"https://{address}:{edge.edge_https_port}"
+                ca_file = str(ca) if edge.public_tls == "private_ca" else None
             elif not via:
-                base = f"https://{data['ssh_hostname']}:{data['caddy_https_port']}"
+                base = f"https://{data.ssh_hostname}:{data.caddy_https_port}"
                 ca_file = str(ca)
                 pair = pki_for(data).client_pair(OPERATOR_CLIENT)
                 client = (str(pair[0]), str(pair[1]))
                 route_note = (f"to the donor's Caddy with client certificate {OPERATOR_CLIENT} "
                               f"({route_note})")
             targets.append(Target(
-                donor=name, card=card.name, model=route["model"],
-                checkpoint=model["checkpoint"], max_model_len=model["max_model_len"],
-                hostname=route["hostname"], base_url=base, ca_file=ca_file, workload=workload,
+                donor=name, card=card.name, model=route.model,
+                checkpoint=model.checkpoint, max_model_len=model.max_model_len,
+                hostname=route.hostname, base_url=base, ca_file=ca_file, workload=workload,
                 card_acceptance=card_acc, tolerance=settings.tolerance,
-                stack={k: data[k] for k in ("vllm_version", "torch_version") if k in data},
+                stack={"vllm_version": data.vllm_version, "torch_version": data.torch_version},
                 client=client, route=route_note,
-                tool_calls=TOOL_CHOICE_FLAG in model["args"]))
+                tool_calls=TOOL_CHOICE_FLAG in model.args))
     return targets
 
 class Loose(BaseModel):

@@ -10,158 +10,33 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ValidationError
-
 from donorkit import pki, schema, values
-from donorkit.host_data import CudaHostCard, host_card
+from donorkit.host_data import (
+    CudaHostCard,
+    DonorBox,
+    EdgeBox,
+    Route,
+    ServedModel,
+    Site,
+    Upstream,
+    host_card,
+)
 from donorkit.host_software import RequirementsFileError, driver_minimum, venv_install
+from donorkit.inventory_files import FleetError, check_strings, label, read_yaml, short, validate
 from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.pki import OPERATOR_CLIENT
+from donorkit.schema import PluginPath
+
+__all__ = ["DEFAULTS_FILE", "DONORS_FILE", "FleetError", "check_revisions", "load_fleet",
+           "load_inventory", "plugin_local_path", "read_yaml", "token_file_problem"]
 
 DEFAULTS_FILE = REPO_ROOT / "inventory" / "defaults.yml"
 DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
 
 
-class FleetError(Exception):
-    """A mistake in the inventory data; the message names file, entry and field."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
-
-
-class _FastUniqueKeyLoader(getattr(yaml, "CSafeLoader", _UniqueKeyLoader)):  # type: ignore[misc]
-    """The same on libyaml's parser where PyYAML has it: ~10x faster on defaults.yml, read on
-    every run. Same documents accepted and refused; its messages are terser, so a refused file
-    is parsed again by _UniqueKeyLoader for the message."""
-
-
-def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
-    _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                            _construct_unique_mapping)
-
-
-def read_yaml(path: Path) -> Any:
-    """Parse one YAML file, turning every read/parse problem into a FleetError."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise FleetError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        return yaml.load(text, Loader=_FastUniqueKeyLoader)
-    except yaml.YAMLError:
-        pass
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
-
-
-def plugin_local_path(source: dict) -> Path:
+def plugin_local_path(source: PluginPath) -> Path:
     """The plugin's directory on the operator's machine (relative paths: from the repo root)."""
-    return repo_path(source["path"])
-
-
-_EXPECTED = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list_type": "list",
-             "dict_type": "mapping", "float_type": "number", "model_type": "mapping",
-             "model_attributes_type": "mapping", "literal_error": None}
-
-
-_UNION_BRANCHES = {"PluginPath", "PluginGit", "str", "int", "float", "bool"}
-
-
-def label(name: Any) -> str:
-    """A key as it may appear in a one-line message: unusual ones (control characters, empty,
-    not a string) as Python writes them."""
-    text = str(name)
-    if isinstance(name, str) and text and text.isprintable() and "'" not in text:
-        return text
-    return repr(name)
-
-
-def _field(loc: tuple) -> str:
-    """pydantic's location -> `models.qwen.port` (a union's branch names dropped)."""
-    parts = []
-    for item in loc:
-        if item == "[key]":
-            continue
-        if item in _UNION_BRANCHES or str(item).startswith(("function-", "lax-", "literal[",
-                                                              "list[", "engine=")):
-            continue
-        parts.append(label(item))
-    return ".".join(parts)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _problem(error: dict, model: type[BaseModel]) -> str:
-    kind, value = error["type"], error.get("input")
-    if kind == "missing":
-        return "missing"
-    if kind == "extra_forbidden":
-        if "unit_service" in error["loc"]:
-            return ("not a setting unit_service may hold (its allow-list: UnitService in "
-                    "donorkit/unit_settings.py)")
-        engine = next((str(i)[7:] for i in error["loc"] if str(i).startswith("engine=")), None)
-        if engine:
-            return f"not a field of a card profile with engine {engine}"
-        return "unknown field"
-    if kind == "value_error":
-        return error["msg"].removeprefix("Value error, ")
-    if kind in _EXPECTED and _EXPECTED[kind]:
-        if "[key]" in error["loc"]:
-            return f"key {_short(value)}: must be {_EXPECTED[kind]}"
-        return f"must be {_EXPECTED[kind]}, got {type(value).__name__} {_short(value)}"
-    message = error["msg"]
-    return f"{message[:1].lower()}{message[1:]}, got {_short(value)}"
-
-
-def _validate(model: type[BaseModel], data: Any, where: str, prefix: str = "",
-              known: dict | None = None) -> Any:
-    """model.model_validate(data), or a FleetError for the first problem, in one line."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        # A misspelt key shows as "unknown" and its right spelling as "missing": name the first.
-        errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-        error = errors[0]
-        field = _field(error["loc"])
-        problem = _problem(error, model)
-        if error["type"] == "extra_forbidden" and known is not None and "." not in field:
-            problem += f" (known: {', '.join(sorted(known))})"
-        raise FleetError(f"{where}: field '{prefix}{field}': {problem}") from None
-
-
-def _check_strings(doc: Any, path: Path) -> None:
-    """values.check_strings on a whole file: one line naming the file, the host and the field."""
-    found = values.check_strings(doc)
-    if not found:
-        return
-    where, problem = found
-    if len(where) >= 2 and where[0] in ("donors", "edges"):
-        host = f"{'donor' if where[0] == 'donors' else 'edge'} '{label(where[1])}'"
-        if len(where) == 2:
-            raise FleetError(f"{path}: {host}: name: {problem}")
-        raise FleetError(f"{path}: {host}: field '{_field(where[2:])}': {problem}")
-    raise FleetError(f"{path}: field '{_field(where)}': {problem}")
+    return repo_path(source.path)
 
 
 # What gives a private key away, in the first bytes of a file (PEM, OpenSSH, PuTTY).
@@ -187,100 +62,111 @@ def token_file_problem(value: str | None) -> str | None:
     return None
 
 
-def _merged(defaults: dict, override: Any, where: str, origin: str) -> dict:
-    """defaults deep-merged with one `overrides:` mapping, validated as defaults.yml."""
+def _merged(defaults: dict, override: Any, where: str, origin: str
+            ) -> tuple[dict, schema.Defaults]:
+    """defaults deep-merged with one `overrides:` mapping, and the result validated as
+    defaults.yml (once: the host's settings are that model's values)."""
     if not isinstance(override, dict):
         raise FleetError(f"{where}: field '{origin}': must be a mapping, "
-                         f"got {type(override).__name__} {_short(override)}")
+                         f"got {type(override).__name__} {short(override)}")
     for key in override:
         if key not in schema.Defaults.model_fields:
             raise FleetError(f"{where}: field '{origin}.{label(key)}': not a key of defaults.yml")
     merged = schema.deep_merge(defaults, override)
     # defaults.yml was valid alone: whatever is wrong now came with this override.
-    _validate(schema.Defaults, merged, where, f"{origin}.")
-    return merged
+    return merged, validate(schema.Defaults, merged, where, f"{origin}.")
 
 
-def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.Defaults,
-               where: str) -> dict:
-    """Everything the tasks and templates need for one host, derived once, here."""
+def _ssh_data(entry: schema.Donor | schema.Edge) -> dict[str, Any]:
+    """pyinfra's SSH keys; relative key paths are relative to the repo root, like everything
+    else."""
+    return {"ssh_hostname": entry.ssh_host, "ssh_user": entry.ssh_user,
+            "ssh_port": entry.ssh_port,
+            "ssh_key": None if entry.ssh_key is None else str(repo_path(entry.ssh_key)),
+            "ssh_known_hosts_file": (None if entry.ssh_known_hosts_file is None
+                                     else str(repo_path(entry.ssh_known_hosts_file)))}
+
+
+def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.Defaults,
+               trusted_clients: list[str], where: str) -> DonorBox:
+    """Everything the tasks and templates need for one donor, derived once, here."""
     problem = schema.check_box(settings, donor)
     if problem:
         raise FleetError(f"{where}: field '{problem[0]}': {problem[1]}")
-    data = {k: v for k, v in merged.items() if k not in ("cards", "models")}
-    models = merged["models"]
     card = host_card(donor.card, settings.cards[donor.card])
     served = sorted(set(donor.routes.values()))
     cuda = card.cuda if isinstance(card, CudaHostCard) else None
-    data.update(
+    service_home = f"/home/{settings.service_user}"
+    try:
+        install = venv_install(card, settings)
+    except RequirementsFileError as exc:
+        raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
+    return DonorBox.model_construct(
+        **{field: getattr(settings, field) for field in schema.Settings.model_fields
+           if field not in ("vllm_executable", "unit_service")},
+        **_ssh_data(donor),
         donor_name=name,
-        role="donor",
         card=card,
         cuda_version=cuda,
-        **driver_minimum(merged["cuda_driver_minimums"], cuda,
+        **driver_minimum(settings.cuda_driver_minimums, cuda,
                          card.vllm_variant if isinstance(card, CudaHostCard) else None),
         cuda_home=f"/usr/local/cuda-{cuda}" if cuda else None,
         cuda_package=f"cuda-toolkit-{cuda.replace('.', '-')}" if cuda else None,
-        service_home=f"/home/{settings.service_user}",
-        routes=[{"hostname": h, "model": m} for h, m in sorted(donor.routes.items())],
-        models={m: dict(models[m], args=[str(a) for a in models[m]["args"]], name=m,
-                        unit=f"vllm-{m}.service") for m in served},
+        service_home=service_home,
+        vllm_executable=settings.vllm_executable.replace("{venv_dir}", settings.venv_dir),
+        # [Service] values may name the service user's home (ReadWritePaths=, BindPaths=); in
+        # defaults.yml's order (the unit's text, so its digest, follows it).
+        unit_service={k: v.replace("{service_home}", service_home) if isinstance(v, str) else v
+                      for k, v in merged["unit_service"].items()},
+        routes=[Route.model_construct(hostname=h, model=m)
+                for h, m in sorted(donor.routes.items())],
+        models={m: ServedModel.model_construct(
+            name=m, unit=f"vllm-{m}.service",
+            **{**dict(settings.models[m]), "args": [str(a) for a in settings.models[m].args]})
+            for m in served},
         # Units of the identities this box does not serve: removed, so a switch frees the GPU.
-        retired_units=[f"vllm-{m}.service" for m in sorted(models) if m not in served],
+        retired_units=[f"vllm-{m}.service" for m in sorted(settings.models) if m not in served],
+        **install,
+        trusted_clients=trusted_clients,
     )
-    data["vllm_executable"] = data["vllm_executable"].replace("{venv_dir}", data["venv_dir"])
-    try:
-        data.update(venv_install(data))
-    except RequirementsFileError as exc:
-        raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
-    # [Service] values may name the service user's home (ReadWritePaths=, BindPaths=).
-    data["unit_service"] = {
-        k: v.replace("{service_home}", data["service_home"]) if isinstance(v, str) else v
-        for k, v in data["unit_service"].items()}
-    data.update(_ssh_data(donor))
-    return data
 
 
 def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str | None = None,
-               require_local_sources: bool = False) -> dict[str, dict]:
+               require_local_sources: bool = False) -> dict[str, DonorBox]:
     """Return {donor name: host data}; raise FleetError on any mistake in either file."""
     return load_inventory(donors_path, defaults_path, require_local_sources)[0]
 
 
-def _ssh_data(entry: schema.Donor | schema.Edge) -> dict:
-    data: dict = {"ssh_hostname": entry.ssh_host, "ssh_user": entry.ssh_user,
-                  "ssh_port": entry.ssh_port}
-    for field in ("ssh_key", "ssh_known_hosts_file"):
-        value = getattr(entry, field)
-        if value is not None:  # relative paths are relative to the repo root, like everything else
-            data[field] = str(repo_path(value))
-    if entry.ssh_user != "root":
-        data["_sudo"] = True
-    return data
+class _Pool:
+    """The donors routing one public hostname, and the checkpoint they all serve there."""
+
+    def __init__(self, model: str, checkpoint: str, first: str) -> None:
+        self.model, self.checkpoint, self.donors = model, checkpoint, [first]
 
 
-def _pools(donors: dict[str, dict], donors_path: Path) -> dict[str, dict]:
-    """{public hostname: {model, checkpoint, donors: [names]}} from every donor's routes. One
-    hostname is one model: every donor routing it must serve the same checkpoint (the edge's
-    health check and the users' `model` field name it)."""
-    pools: dict[str, dict] = {}
-    for name, data in donors.items():
-        for route in data["routes"]:
-            model = data["models"][route["model"]]
-            pool = pools.setdefault(route["hostname"], {"checkpoint": model["checkpoint"],
-                                                        "model": route["model"],
-                                                        "donors": [], "first": name})
-            if model["checkpoint"] != pool["checkpoint"]:
+def _pools(donors: dict[str, DonorBox], donors_path: Path) -> dict[str, _Pool]:
+    """{public hostname: its pool} from every donor's routes. One hostname is one model: every
+    donor routing it must serve the same checkpoint (the edge's health check and the users'
+    `model` field name it)."""
+    pools: dict[str, _Pool] = {}
+    for name, box in donors.items():
+        for route in box.routes:
+            checkpoint = box.models[route.model].checkpoint
+            pool = pools.get(route.hostname)
+            if pool is None:
+                pools[route.hostname] = _Pool(route.model, checkpoint, name)
+                continue
+            if checkpoint != pool.checkpoint:
                 raise FleetError(
-                    f"{donors_path}: donor '{name}': field 'routes.{route['hostname']}': serves "
-                    f"{model['checkpoint']}, but donor '{pool['first']}' serves "
-                    f"{pool['checkpoint']} under that hostname (one hostname, one checkpoint)")
-            pool["donors"].append(name)
+                    f"{donors_path}: donor '{name}': field 'routes.{route.hostname}': serves "
+                    f"{checkpoint}, but donor '{pool.donors[0]}' serves "
+                    f"{pool.checkpoint} under that hostname (one hostname, one checkpoint)")
+            pool.donors.append(name)
     return pools
 
 
-def _edge_data(name: str, edge: schema.Edge, merged: dict, donors: dict[str, dict],
-               pools: dict[str, dict], where: str) -> dict:
+def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
+              donors: dict[str, DonorBox], pools: dict[str, _Pool], where: str) -> EdgeBox:
     """An edge's host data: its settings and one site per public hostname with its donors."""
     if edge.hostnames == "all":
         hostnames = sorted(pools)
@@ -290,42 +176,46 @@ def _edge_data(name: str, edge: schema.Edge, merged: dict, donors: dict[str, dic
             if hostname not in pools:
                 raise FleetError(f"{where}: field 'hostnames': no donor routes {hostname} "
                                  f"(routed: {', '.join(sorted(pools))})")
-    keep = ("install_root", "apt_lock_wait", "caddy_upstream_repo_url", "caddy_upstream_key_url",
-            "caddy_admin_socket", "caddy_dial_timeout", "caddy_response_header_timeout",
-            "caddy_log_scrubbed_headers", "caddy_access_log", "caddy_tls_dir", "pki_dir",
-            "pki_renew_days", "edge_https_port", "edge_proxy")
-    data = {key: merged[key] for key in keep}
     sites = []
     for hostname in hostnames:
         pool = pools[hostname]
         upstreams = []
-        for donor in pool["donors"]:
-            address = donors[donor]["ssh_hostname"]
+        for donor in pool.donors:
+            address = donors[donor].ssh_hostname
             address = f"[{address}]" if ":" in address else address
-            upstreams.append({"donor": donor,
-                              "address": f"{address}:{donors[donor]['caddy_https_port']}"})
-        sites.append({"hostname": hostname, "model": pool["model"],
-                      "checkpoint": pool["checkpoint"], "upstreams": upstreams,
-                      "zone": hostname.replace(".", "_").replace("-", "_")})
-    rate_limit = (edge.rate_limit if "rate_limit" in edge.model_fields_set
-                  else merged["edge_rate_limit"])
-    if isinstance(rate_limit, schema.RateLimit):
-        rate_limit = rate_limit.model_dump()
-    data.update(
-        _ssh_data(edge),
-        role="edge",
+            upstreams.append(Upstream.model_construct(
+                donor=donor, address=f"{address}:{donors[donor].caddy_https_port}"))
+        sites.append(Site.model_construct(
+            hostname=hostname, model=pool.model, checkpoint=pool.checkpoint, upstreams=upstreams,
+            zone=hostname.replace(".", "_").replace("-", "_")))
+    kept = {field: getattr(settings, field) for field in EdgeBox.model_fields
+            if field in schema.Settings.model_fields and field != "caddy_source"}
+    return EdgeBox.model_construct(
+        **kept,
+        **_ssh_data(edge),
         edge_name=name,
-        caddy_source=edge.caddy_source or merged["caddy_source"],
-        public_tls=edge.public_tls or merged["edge_public_tls"],
-        rate_limit=rate_limit,
+        caddy_source=edge.caddy_source or settings.caddy_source,
+        public_tls=edge.public_tls or settings.edge_public_tls,
+        rate_limit=(edge.rate_limit if "rate_limit" in edge.model_fields_set
+                    else settings.edge_rate_limit),
         sites=sites,
     )
-    return data
+
+
+def _one_box_per_address(seen: dict[str, str], box: DonorBox | EdgeBox, what: str,
+                         where: str) -> None:
+    """One box, one entry: values.box_identity's spelling, whatever the SSH port."""
+    address = values.box_identity(box.ssh_hostname)
+    if address in seen:
+        raise FleetError(f"{where}: field 'ssh_host': {box.ssh_hostname} is the box of "
+                         f"{seen[address]} (one box, one entry)")
+    seen[address] = what
 
 
 def load_inventory(donors_path: Path | str | None = None,
                    defaults_path: Path | str | None = None,
-                   require_local_sources: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
+                   require_local_sources: bool = False
+                   ) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """Return ({donor name: host data}, {edge name: host data}); raise FleetError on any
     mistake in either file."""
     donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
@@ -334,46 +224,43 @@ def load_inventory(donors_path: Path | str | None = None,
     if not isinstance(defaults, dict):
         raise FleetError(f"{defaults_path}: must be a mapping of settings, "
                          f"got {type(defaults).__name__}")
-    _check_strings(defaults, defaults_path)
-    settings = _validate(schema.Defaults, defaults, str(defaults_path),
-                         known=schema.Defaults.model_fields)
+    check_strings(defaults, defaults_path)
+    settings = validate(schema.Defaults, defaults, str(defaults_path),
+                        known=schema.Defaults.model_fields)
     problem = schema.check_driver_minimums(settings, list(settings.cards))
     if problem:
         raise FleetError(f"{defaults_path}: field '{problem[0]}': {problem[1]}")
     doc = read_yaml(donors_path)
     if not isinstance(doc, dict) or not isinstance(doc.get("donors"), dict) or not doc["donors"]:
         raise FleetError(f"{donors_path}: must be a mapping with a non-empty 'donors' mapping")
-    _check_strings(doc, donors_path)
-    inventory = _validate(schema.Inventory, doc, str(donors_path),
-                          known=schema.Inventory.model_fields)
-    file_wide = _merged(defaults, inventory.overrides, str(donors_path), "overrides")
+    check_strings(doc, donors_path)
+    inventory = validate(schema.Inventory, doc, str(donors_path),
+                         known=schema.Inventory.model_fields)
+    file_wide, _ = _merged(defaults, inventory.overrides, str(donors_path), "overrides")
     problem = token_file_problem(file_wide["hf_token_file"])
     if problem:
         origin = ((str(donors_path), "overrides.") if "hf_token_file" in inventory.overrides
                   else (str(defaults_path), ""))
         raise FleetError(f"{origin[0]}: field '{origin[1]}hf_token_file': {problem}")
-    fleet: dict[str, dict] = {}
-    # One box, one entry: values.box_identity's spelling, whatever the SSH port.
+    # Each donor's Caddy accepts exactly these client certificates: an edge deleted here loses
+    # access at the donors' next deploy (donorkit/pki.py).
+    trusted_clients = [*sorted(inventory.edges), OPERATOR_CLIENT]
+    fleet: dict[str, DonorBox] = {}
     seen_addresses: dict[str, str] = {}
     for name, entry in inventory.donors.items():
         where = f"{donors_path}: donor '{label(name)}'"
         if not isinstance(entry, dict):
             raise FleetError(f"{where}: must be a mapping, got {type(entry).__name__}")
-        donor = _validate(schema.Donor, entry, where, known=schema.Donor.model_fields)
-        merged = _merged(file_wide, donor.overrides, where, "overrides")
+        donor = validate(schema.Donor, entry, where, known=schema.Donor.model_fields)
+        merged, settings = _merged(file_wide, donor.overrides, where, "overrides")
         problem = token_file_problem(donor.overrides.get("hf_token_file"))
         if problem:
             raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
-        settings = schema.Defaults.model_validate(merged)
-        data = _host_data(name, donor, merged, settings, where)
-        address = values.box_identity(data["ssh_hostname"])
-        if address in seen_addresses:
-            raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
-                             f"{seen_addresses[address]} (one box, one entry)")
-        seen_addresses[address] = f"donor '{name}'"
-        fleet[name] = data
+        box = _donor_box(name, donor, merged, settings, trusted_clients, where)
+        _one_box_per_address(seen_addresses, box, f"donor '{name}'", where)
+        fleet[name] = box
     pools = _pools(fleet, donors_path)
-    edges: dict[str, dict] = {}
+    edges: dict[str, EdgeBox] = {}
     for name, entry in inventory.edges.items():
         where = f"{donors_path}: edge '{label(name)}'"
         if not isinstance(entry, dict):
@@ -384,24 +271,16 @@ def load_inventory(donors_path: Path | str | None = None,
             raise FleetError(f"{where}: name: the operator's own client certificates are named "
                              f"so ({', '.join(pki.OPERATOR_CLIENT_NAMES)}, operator-*): an edge "
                              "of that name would share the operator's pair")
-        edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
-        merged = _merged(file_wide, edge.overrides, where, "overrides")
-        data = _edge_data(name, edge, merged, fleet, pools, where)
-        address = values.box_identity(data["ssh_hostname"])
-        if address in seen_addresses:
-            raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
-                             f"{seen_addresses[address]} (one box, one entry)")
-        seen_addresses[address] = f"edge '{name}'"
-        edges[name] = data
-    # Each donor's Caddy accepts exactly these client certificates: an edge deleted here loses
-    # access at the donors' next deploy (donorkit/pki.py).
-    for data in fleet.values():
-        data["trusted_clients"] = [*sorted(edges), OPERATOR_CLIENT]
+        edge = validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
+        _, settings = _merged(file_wide, edge.overrides, where, "overrides")
+        box = _edge_box(name, edge, settings, fleet, pools, where)
+        _one_box_per_address(seen_addresses, box, f"edge '{name}'", where)
+        edges[name] = box
     if require_local_sources:
-        for name, data in fleet.items():
-            source = data["vllm_exl3_plugin"]
+        for name, box in fleet.items():
+            source = box.vllm_exl3_plugin
             # A cpu engine installs no plugin (deploy.py): its source is not needed.
-            if data["card"].engine == "cuda" and "path" in source \
+            if box.cuda_engine and isinstance(source, PluginPath) \
                     and not plugin_local_path(source).is_dir():
                 raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
                                  f"local path {plugin_local_path(source)} does not exist on "
@@ -409,17 +288,16 @@ def load_inventory(donors_path: Path | str | None = None,
     return fleet, edges
 
 
-def check_revisions(fleet: dict[str, dict], donors_path: Path | str | None = None) -> None:
+def check_revisions(fleet: dict[str, DonorBox], donors_path: Path | str | None = None) -> None:
     """Every model a donor serves has its checkpoint's commit pinned (`models.<m>.revision`), or
     one FleetError naming the donors file, the donor and the field: refused before any
     connection, not at the weights step after CUDA, vLLM and exllamav3 were installed. A
     checkpoint that is a path on the box has no revision."""
     where = donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE
-    for name, data in fleet.items():
-        for model, profile in data["models"].items():
-            if profile.get("revision") or profile["checkpoint"].startswith("/"):
+    for name, box in fleet.items():
+        for model in box.models.values():
+            if model.pinned:
                 continue
-            raise FleetError(f"{where}: donor '{name}': field 'models.{model}.revision': not "
-                             f"pinned: `make lock` resolves {profile['checkpoint']} at its "
+            raise FleetError(f"{where}: donor '{name}': field 'models.{model.name}.revision': "
+                             f"not pinned: `make lock` resolves {model.checkpoint} at its "
                              "branch (main) to its commit and writes it in")
-

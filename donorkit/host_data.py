@@ -1,33 +1,44 @@
-"""What the loader (donorkit.fleet) hands the deploy for each host beyond the merged settings of
-defaults.yml, as types: the card profile the box has (a discriminated union on its engine, with
-its name), read as fields (`host.data.card.engine`, `card.arch`) by the tasks, the rendering, the
-acceptance run and the verification suite."""
+"""A host's data as types: what the loader (donorkit.fleet) hands pyinfra for each donor
+(`DonorBox`) and each edge (`EdgeBox`), every key a field. pyinfra gets the fields as they are
+(`pyinfra_data`: `host.data.install_root`, `host.data.card.engine`, `host.data.models["qwen"].port`
+in tasks/); the rendering, the rollout, `make accept`, `make status` and the verification suite
+read the same models (`load_inventory` returns them), never a key no model names.
+
+The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
+donors file's overrides, validated there); the rest is derived once, in donorkit.fleet: the card
+profile with its name, the served models with their units, the CUDA paths, the venv's install.
+An edge carries the few settings its Caddy needs and one site per public hostname.
+
+The loader makes these from data it has validated (defaults.yml and the donors file, as
+`schema.Defaults`, `Donor`, `Edge`) with `model_construct`: not validated a second time, and
+their validators are built only if something validates one (pydantic's `defer_build`), not on
+every run of the deploy. tests/unit/test_fleet.py validates every box the shipped and testbed
+inventories give against its model, so the types said here are the types the loader makes."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Tag
+from pydantic import ConfigDict, Discriminator, Tag
 
-from donorkit.schema import CpuCard, CudaCard, engine_tag
-from donorkit.values import Name
+from donorkit.card_profiles import CpuCard, CudaCard, engine_tag
+from donorkit.schema import EdgeProxy, RateLimit, Settings
+from donorkit.values import Name, Strict
 
-
-class _AsPyinfraData:
-    def to_json(self) -> Any:
-        """pyinfra's CLI shows host data as JSON (`debug-inventory`): it asks this method."""
-        return self.model_dump(mode="json")  # type: ignore[attr-defined]
+DERIVED = ConfigDict(defer_build=True)
 
 
-class CudaHostCard(_AsPyinfraData, CudaCard):
+class CudaHostCard(CudaCard):
     """A GPU box's card profile, with the name it has in defaults.yml `cards:`."""
 
+    model_config = DERIVED
     name: Name
 
 
-class CpuHostCard(_AsPyinfraData, CpuCard):
+class CpuHostCard(CpuCard):
     """vLLM's CPU engine's profile, with its name."""
 
+    model_config = DERIVED
     name: Name
 
 
@@ -38,4 +49,160 @@ HostCard = Annotated[Annotated[CudaHostCard, Tag("engine=cuda")]
 def host_card(name: str, card: CudaCard | CpuCard) -> CudaHostCard | CpuHostCard:
     """The profile `card` of defaults.yml `cards:` (validated there), named."""
     typed = CudaHostCard if isinstance(card, CudaCard) else CpuHostCard
-    return typed(**dict(card), name=name)
+    return typed.model_construct(**dict(card), name=name)
+
+
+class ServedModel(Strict):
+    """A model identity this donor serves (defaults.yml `models:`, merged), with its unit."""
+
+    model_config = DERIVED
+    name: Name                          # the identity: `qwen`
+    unit: str                           # its systemd unit: `vllm-qwen.service`
+    checkpoint: str
+    port: int
+    max_model_len: int
+    args: list[str]                     # vllm serve flags, as words
+    environment: dict[str, str]
+    revision: str | None                # the checkpoint's commit; None: not pinned (yet)
+
+    @property
+    def pinned(self) -> bool:
+        """A local-path checkpoint (`/srv/...`) has no revision to pin."""
+        return bool(self.revision) or self.checkpoint.startswith("/")
+
+
+class Route(Strict):
+    """A public hostname routed to this donor, and the model identity it reaches."""
+
+    model_config = DERIVED
+    hostname: str
+    model: Name
+
+
+class Upstream(Strict):
+    """One donor behind an edge's site: its name, and `address:port` of its Caddy."""
+
+    model_config = DERIVED
+    donor: Name
+    address: str
+
+
+class Site(Strict):
+    """One public hostname on an edge: the model and checkpoint behind it, its donors, and the
+    rate limit's zone name (the hostname as one word)."""
+
+    model_config = DERIVED
+    hostname: str
+    model: Name
+    checkpoint: str
+    upstreams: list[Upstream]
+    zone: str
+
+
+class _Login(Strict):
+    """How pyinfra reaches the box: these fields are pyinfra's own host data keys."""
+
+    model_config = DERIVED
+    ssh_hostname: str
+    ssh_user: str
+    ssh_port: int
+    ssh_key: str | None = None          # absolute, on the operator's machine
+    ssh_known_hosts_file: str | None = None
+
+    @property
+    def sudo(self) -> bool:
+        """A login user other than root works through sudo (pyinfra's `_sudo`)."""
+        return self.ssh_user != "root"
+
+    def pyinfra_data(self) -> dict[str, Any]:
+        """pyinfra's host data: every field, its value as it is (typed), and `_sudo`."""
+        data = {field: getattr(self, field) for field in type(self).model_fields}
+        for field in ("ssh_key", "ssh_known_hosts_file"):
+            if data[field] is None:  # pyinfra's own default, as if the key were not there
+                del data[field]
+        if self.sudo:
+            data["_sudo"] = True
+        return data
+
+    @classmethod
+    def from_pyinfra(cls, data: Any) -> Any:
+        """The model back from pyinfra's host data (`host.data`): its fields, not validated
+        again (pyinfra_data made them from a validated model)."""
+        return cls.model_construct(**{field: data.get(field) for field in cls.model_fields})
+
+
+class DonorBox(_Login, Settings):
+    """A donor's host data: its merged settings (schema.Settings) and what is derived from them."""
+
+    role: Literal["donor"] = "donor"
+    donor_name: Name
+    card: HostCard
+    cuda_version: str | None            # the card's toolkit; None: a cpu engine
+    cuda_home: str | None               # /usr/local/cuda-<cuda_version>
+    cuda_package: str | None            # cuda-toolkit-13-3
+    driver_minimum: str | None          # the oldest driver the box may have
+    driver_minimum_cuda: str | None     # the CUDA version that sets it
+    service_home: str
+    vllm_executable: str                # `{venv_dir}` filled in
+    # [Service] settings as defaults.yml orders them, `{service_home}` filled in
+    unit_service: dict[str, str | int | bool]
+    routes: list[Route]
+    models: dict[Name, ServedModel]     # the identities this box serves
+    retired_units: list[str]            # units of the identities it does not: removed
+    venv_requirements: list[str]        # what the venv step checks
+    venv_install_specs: list[str]       # what uv installs when a check fails
+    venv_index_args: list[str]
+    vllm_installed_version: str         # what `vllm --version` reports
+    trusted_clients: list[str]          # client certificates its Caddy accepts (edges, operator)
+
+    @property
+    def name(self) -> str:
+        return self.donor_name
+
+    @property
+    def cuda_engine(self) -> bool:
+        return self.card.engine == "cuda"
+
+    @property
+    def exllamav3_stamp(self) -> str:
+        """The exllamav3 stack installed in the venv (tasks/exllamav3.py writes it; a change
+        restarts the units, tasks/units.py)."""
+        return f"{self.install_root}/state/exllamav3.stack"
+
+
+class EdgeBox(_Login):
+    """An edge's host data: the settings its Caddy needs and one site per public hostname."""
+
+    role: Literal["edge"] = "edge"
+    edge_name: Name
+    install_root: str
+    apt_lock_wait: int
+    caddy_source: Literal["distro", "upstream"]
+    caddy_upstream_repo_url: str
+    caddy_upstream_key_url: str
+    caddy_admin_socket: str
+    caddy_dial_timeout: str
+    caddy_response_header_timeout: str
+    caddy_log_scrubbed_headers: list[str]
+    caddy_access_log: str
+    caddy_tls_dir: str
+    pki_dir: str
+    pki_renew_days: int
+    edge_https_port: int
+    edge_proxy: EdgeProxy
+    public_tls: Literal["acme", "private_ca"]
+    rate_limit: RateLimit | None
+    sites: list[Site]
+
+    @property
+    def name(self) -> str:
+        return self.edge_name
+
+
+Box = Annotated[DonorBox | EdgeBox, Discriminator("role")]
+
+
+def this_box(host: Any) -> DonorBox | EdgeBox:
+    """The typed data of a pyinfra host (in a task: `this_box(host)`), by its role."""
+    kind = EdgeBox if host.data.get("role") == "edge" else DonorBox
+    return kind.from_pyinfra(host.data)

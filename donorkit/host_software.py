@@ -4,9 +4,10 @@ index arguments, the version vLLM reports)."""
 
 from __future__ import annotations
 
-from donorkit import schema
+from donorkit.card_profiles import variant_cuda
 from donorkit.host_data import CpuHostCard, CudaHostCard
 from donorkit.paths import repo_path
+from donorkit.schema import Settings
 
 
 class RequirementsFileError(ValueError):
@@ -21,29 +22,29 @@ def driver_minimum(minimums: dict[str, str], cuda: str | None,
         return {"driver_minimum": None, "driver_minimum_cuda": None}
     needs = [(cuda, minimums[cuda])]
     if variant:
-        runtime = schema.variant_cuda(variant)
+        runtime = variant_cuda(variant)
         needs.append((runtime, minimums[runtime]))
     which, minimum = max(needs, key=lambda need: tuple(int(p) for p in need[1].split(".")))
     return {"driver_minimum": minimum, "driver_minimum_cuda": which}
 
 
-def venv_install(data: dict) -> dict:
+def venv_install(card: CudaHostCard | CpuHostCard, settings: Settings) -> dict:
     """What the venv step checks and what uv installs when a check fails, for one host.
 
     A card with a `vllm_variant` (cu129) gets vllm and torch <version>+<variant>, from vLLM's
     wheel index for the release (`vllm_variant_index_url`) and the card's extra indexes
     (PyTorch's for that CUDA), as vLLM's variant install does; otherwise vllm and torch from the
     card's index (PyPI's default builds)."""
-    card, version = data["card"], data["vllm_version"]
+    version = settings.vllm_version
     if isinstance(card, CpuHostCard):
         return cpu_venv_install(card)
     variant = card.vllm_variant
     tag = f"+{variant}" if variant else ""
-    requirements = [f"vllm=={version}{tag}", f"torch=={data['torch_version']}{tag}",
-                    *data["venv_build_packages"]]
+    requirements = [f"vllm=={version}{tag}", f"torch=={settings.torch_version}{tag}",
+                    *settings.venv_build_packages]
     extra = card.pip_extra_index_urls
     if variant:
-        extra = [data["vllm_variant_index_url"].format(version=version, variant=variant), *extra]
+        extra = [settings.vllm_variant_index_url.format(version=version, variant=variant), *extra]
     strategy = card.pip_index_strategy
     index_args = ["--index-url", card.pip_index_url,
                   *(arg for url in extra for arg in ("--extra-index-url", url)),

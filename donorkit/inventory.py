@@ -7,20 +7,21 @@ from pathlib import Path
 from typing import Any
 
 from donorkit.fleet import FleetError, check_revisions, load_inventory
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import pki_dir
 from donorkit.pki import Pki, PkiError
 from pyinfra_declared import ssh_socket
 
 
 def fleet_or_exit(donors_path: Path | str | None = None,
-                  require_local_sources: bool = True) -> dict[str, dict]:
+                  require_local_sources: bool = True) -> dict[str, DonorBox]:
     """The donors of inventory_or_exit."""
     return inventory_or_exit(donors_path, require_local_sources)[0]
 
 
 def inventory_or_exit(donors_path: Path | str | None = None, require_local_sources: bool = True,
                       require_revisions: bool = True
-                      ) -> tuple[dict[str, dict], dict[str, dict]]:
+                      ) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """load_inventory (donors, edges), but a user mistake ends the process with its message and
     no traceback. A donor serving a model with no pinned revision is such a mistake for
     everything that deploys (`make render` previews without: `require_revisions=False`)."""
@@ -40,21 +41,22 @@ def inventory_or_exit(donors_path: Path | str | None = None, require_local_sourc
     return fleet, edges
 
 
-def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
+def pyinfra_groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox] | None = None,
                    connect_kwargs: dict[str, Any] | None = None
                    ) -> dict[str, list[tuple[str, dict]]]:
     """`donors` (every GPU box) plus one group per card profile (e.g. `rtx4090`), and `edges`
     (the front doors; deploy.py gives them the edge's tasks only). Each host's SSH sockets get
     pyinfra_declared.ssh_socket's options, through pyinfra's own `ssh_paramiko_connect_kwargs`
-    (`connect_kwargs` replaces them: the benchmark's stock run)."""
+    (`connect_kwargs` replaces them: the benchmark's stock run). A host's data is its typed
+    model's fields (donorkit/host_data.py: `pyinfra_data`)."""
     if connect_kwargs is None:
         connect_kwargs = ssh_socket.connect_kwargs()
     groups: dict[str, list[tuple[str, dict]]] = {"donors": [], "edges": []}
-    for name, fleet_data in fleet.items():
-        data = {**fleet_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
+    for name, box in fleet.items():
+        data = {**box.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["donors"].append((name, data))
-        groups.setdefault(data["card"].name, []).append((name, data))
-    for name, edge_data in (edges or {}).items():
-        data = {**edge_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
+        groups.setdefault(box.card.name, []).append((name, data))
+    for name, edge in (edges or {}).items():
+        data = {**edge.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
         groups["edges"].append((name, data))
     return groups

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatch
 
+from donorkit.host_data import DonorBox, EdgeBox
+
 
 class LimitError(ValueError):
     """A pattern that matches no host; the message is the one line to print."""
@@ -19,7 +21,7 @@ def patterns(values: Iterable[str] | None) -> list[str]:
     return [p.strip() for value in values or [] for p in value.split(",") if p.strip()]
 
 
-def groups(fleet: dict[str, dict], edges: dict[str, dict]) -> dict[str, list[str]]:
+def groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox]) -> dict[str, list[str]]:
     """{group: host names}, as inventory/gpus.py gives them to pyinfra. (Imported here: a
     command given no LIMIT, `accept --via` on the GPU machine, has no pyinfra to import.)"""
     from donorkit.inventory import pyinfra_groups
@@ -28,8 +30,8 @@ def groups(fleet: dict[str, dict], edges: dict[str, dict]) -> dict[str, list[str
             for group, members in pyinfra_groups(fleet, edges, connect_kwargs={}).items()}
 
 
-def select(values: Iterable[str] | None, fleet: dict[str, dict], edges: dict[str, dict]
-           ) -> tuple[dict[str, dict], dict[str, dict]]:
+def select(values: Iterable[str] | None, fleet: dict[str, DonorBox], edges: dict[str, EdgeBox]
+           ) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """The donors and edges the patterns name, in inventory order (all of them with none)."""
     wanted = patterns(values)
     if not wanted:

@@ -94,15 +94,15 @@ def plan(donors_path: Path | str | None = None, defaults_path: Path | str | None
     defaults_path = Path(defaults_path or DEFAULTS_FILE)
     doc, defaults = read_yaml(donors_path), read_yaml(defaults_path)
     pins: dict[tuple[Path, tuple[str, ...]], Pin] = {}
-    for name, data in fleet.items():
-        for model, profile in data["models"].items():
-            if profile["checkpoint"].startswith("/"):
+    for name, box in fleet.items():
+        for model, profile in box.models.items():
+            if profile.checkpoint.startswith("/"):
                 continue  # a path on the box: nothing to resolve
             file, path = _scope(doc, defaults, name, model, donors_path, defaults_path)
             pin = pins.setdefault((file, path), Pin(
-                file, path, profile["checkpoint"], data["hf_endpoint"],
-                data.get("hf_token_file"), profile.get("revision")))
-            if pin.checkpoint != profile["checkpoint"]:
+                file, path, profile.checkpoint, box.hf_endpoint, box.hf_token_file,
+                profile.revision))
+            if pin.checkpoint != profile.checkpoint:
                 raise FleetError(f"{pin.where}: donors {', '.join(pin.users)} and {name} read "
                                  "this revision for different checkpoints: set each donor's "
                                  "checkpoint and revision together in its overrides")

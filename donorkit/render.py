@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.values import caddy_duration
@@ -164,15 +165,15 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def cuda_paths(data: dict) -> dict[str, str]:
+def cuda_paths(data: DonorBox) -> dict[str, str]:
     """The CUDA part of a unit's environment; the venv's bin/ first (FlashInfer runs bare ninja).
     A cpu engine has no toolkit: only the PATH."""
-    cuda = data["cuda_home"]
+    cuda = data.cuda_home
     if cuda is None:
-        return {"PATH": f"{data['venv_dir']}/bin:/usr/bin:/bin"}
+        return {"PATH": f"{data.venv_dir}/bin:/usr/bin:/bin"}
     return {
         "CUDA_HOME": cuda,
-        "PATH": f"{data['venv_dir']}/bin:{cuda}/bin:{cuda}/nvvm/bin:/usr/bin:/bin",
+        "PATH": f"{data.venv_dir}/bin:{cuda}/bin:{cuda}/nvvm/bin:/usr/bin:/bin",
         "CPATH": f"{cuda}/include",
         "LIBRARY_PATH": f"{cuda}/lib64",
         "LD_LIBRARY_PATH": f"{cuda}/lib64",
@@ -190,57 +191,57 @@ def hub_cache(home: str) -> str:
     return f"{hf_home(home)}/hub"
 
 
-def hub_environment(data: dict) -> dict[str, str]:
+def hub_environment(data: DonorBox) -> dict[str, str]:
     """The weights are in the service user's cache before a unit starts (tasks/weights.py):
     vLLM reads them there and never asks the hub, so a restart never waits on it."""
-    return {"HF_HUB_CACHE": hub_cache(data["service_home"]), "HF_HUB_OFFLINE": "1"}
+    return {"HF_HUB_CACHE": hub_cache(data.service_home), "HF_HUB_OFFLINE": "1"}
 
 
-def unit_environment(data: dict, model: dict) -> dict[str, str]:
+def unit_environment(data: DonorBox, model: ServedModel) -> dict[str, str]:
     """Everything a model's unit sets with Environment=, in order."""
-    return {**cuda_paths(data), **hub_environment(data), **data["unit_environment"],
-            **model["environment"]}
+    return {**cuda_paths(data), **hub_environment(data), **data.unit_environment,
+            **model.environment}
 
 
-def pinned_revision(model: dict) -> list[str]:
+def pinned_revision(model: ServedModel) -> list[str]:
     """vLLM's flags for the fetched commit (a local-path checkpoint has none)."""
-    revision = model.get("revision")
-    if not revision or model["checkpoint"].startswith("/"):
+    revision = model.revision
+    if not revision or model.checkpoint.startswith("/"):
         return []
     return ["--revision", revision, "--tokenizer-revision", revision]
 
 
-def exec_start(data: dict, model: dict) -> list[str]:
-    return [data["vllm_executable"], "serve", model["checkpoint"],
-            "--host", "127.0.0.1", "--port", str(model["port"]),
-            "--max-model-len", str(model["max_model_len"]), *pinned_revision(model),
-            *map(str, model["args"]), *map(str, data["card"].vllm_args)]
+def exec_start(data: DonorBox, model: ServedModel) -> list[str]:
+    return [data.vllm_executable, "serve", model.checkpoint,
+            "--host", "127.0.0.1", "--port", str(model.port),
+            "--max-model-len", str(model.max_model_len), *pinned_revision(model),
+            *model.args, *map(str, data.card.vllm_args)]
 
 
-def render_unit(data: dict, model: dict) -> str:
+def render_unit(data: DonorBox, model: ServedModel) -> str:
     return _environment().get_template("vllm.service.j2").render(
-        data, model=model, environment=unit_environment(data, model),
+        dict(data), model=model, environment=unit_environment(data, model),
         exec_start=exec_start(data, model))
 
 
-def tls_paths(data: dict) -> tuple[str, str]:
-    tls_dir, name = data["caddy_tls_dir"], data.get("donor_name") or data["edge_name"]
+def tls_paths(data: DonorBox | EdgeBox) -> tuple[str, str]:
+    tls_dir, name = data.caddy_tls_dir, data.name
     return f"{tls_dir}/{name}.crt", f"{tls_dir}/{name}.key"
 
 
-def client_ca_path(data: dict) -> str:
+def client_ca_path(data: DonorBox) -> str:
     """On a donor: the CA whose client certificates (the edges') its Caddy accepts."""
-    return f"{data['caddy_tls_dir']}/client-ca.crt"
+    return f"{data.caddy_tls_dir}/client-ca.crt"
 
 
-def trusted_client_files(data: dict) -> dict[str, str]:
+def trusted_client_files(data: DonorBox) -> dict[str, str]:
     """On a donor: {path: certificate PEM} of every client certificate its Caddy accepts: the
     current edges' and the operator's (fleet.py's `trusted_clients`; a client's previous
     certificate too while it is valid, Pki.trusted_pems), one file each: Caddy's
     `trusted_leaf_cert_file` reads the first certificate of a file."""
     pki = pki_for(data)
-    return {f"{data['caddy_tls_dir']}/client-{name}{'.prev' if n else ''}.crt": pem
-            for name in data["trusted_clients"]
+    return {f"{data.caddy_tls_dir}/client-{name}{'.prev' if n else ''}.crt": pem
+            for name in data.trusted_clients
             for n, pem in enumerate(pki.trusted_pems(name))}
 
 
@@ -249,25 +250,25 @@ def trusted_client_files(data: dict) -> dict[str, str]:
 EDGE_HEALTH_HEADER = "X-Uncloseai-Edge-Health"
 
 
-def drain_flag(data: dict) -> str:
+def drain_flag(data: DonorBox) -> str:
     """On a donor: the file whose existence takes the box out of every edge's pool (the edges'
     health checks get 503). The rolling rollout creates it; the deploy's last step removes it."""
-    return f"{data['install_root']}/state/drained"
+    return f"{data.install_root}/state/drained"
 
 
-def render_caddyfile(data: dict) -> str:
+def render_caddyfile(data: DonorBox) -> str:
     cert, key = tls_paths(data)
     flag = Path(drain_flag(data))
     return _environment().get_template("Caddyfile.j2").render(
-        data, tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
+        dict(data), tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
         trusted_leafs=list(trusted_client_files(data)),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
         drain_flag_name=flag.name, operator_client_subject=f"CN={OPERATOR_CLIENT}")
 
 
-def edge_paths(data: dict) -> dict[str, str]:
+def edge_paths(data: EdgeBox) -> dict[str, str]:
     """On an edge: our CA (verifies donors), its client pair, its public pair (private_ca)."""
-    tls_dir, name = data["caddy_tls_dir"], data["edge_name"]
+    tls_dir, name = data.caddy_tls_dir, data.edge_name
     cert, key = tls_paths(data)
     return {"ca": f"{tls_dir}/ca.crt", "client_cert": f"{tls_dir}/{name}-client.crt",
             "client_key": f"{tls_dir}/{name}-client.key", "public_cert": cert, "public_key": key}
@@ -288,16 +289,16 @@ EDGE_PUBLIC_PATHS = ("/v1/*", "/version", "/health", "/docs", "/docs/*", "/opena
                      "/static/swagger-ui-bundle.js", "/static/swagger-ui.css")
 
 
-def render_edge_caddyfile(data: dict) -> str:
+def render_edge_caddyfile(data: EdgeBox) -> str:
     return _environment().get_template("Caddyfile-edge.j2").render(
-        data, paths=edge_paths(data), health_body=health_body,
+        dict(data), paths=edge_paths(data), health_body=health_body,
         edge_health_header=EDGE_HEALTH_HEADER, edge_public_paths=EDGE_PUBLIC_PATHS)
 
 
-def render_caddy_drop_in(data: dict) -> str:
+def render_caddy_drop_in(data: DonorBox | EdgeBox) -> str:
     """caddy.service's drop-in: the directory of the admin socket, entered by root and caddy only
     (the distro's unit has none; Caddy does not create it)."""
-    socket_dir = str(Path(data["caddy_admin_socket"]).parent)  # /run/<dir>: the schema's shape
+    socket_dir = str(Path(data.caddy_admin_socket).parent)  # /run/<dir>: the schema's shape
     return ("# Managed by the uncloseai donor deploy. The admin API's socket lives here:\n"
             "# only root and caddy may enter (mode 0750, caddy:caddy from User=/Group=).\n"
             "[Service]\n"
@@ -305,19 +306,24 @@ def render_caddy_drop_in(data: dict) -> str:
             "RuntimeDirectoryMode=0750\n")
 
 
-def pki_for(data: dict) -> Pki:
-    return Pki(pki_dir(data), data["pki_renew_days"])
+def pki_for(data: DonorBox | EdgeBox) -> Pki:
+    return Pki(pki_dir(data), data.pki_renew_days)
 
 
-def render_host(data: dict) -> list[RenderedFile]:
+def render_host(data: DonorBox | EdgeBox) -> list[RenderedFile]:
     """Every file the deploy writes for this host (units, Caddyfile, TLS pair; an edge's own)."""
-    if data.get("role") == "edge":
+    if isinstance(data, EdgeBox):
         return render_edge(data)
-    files = [RenderedFile(f"{UNIT_DIR}/{m['unit']}", render_unit(data, m))
-             for m in data["models"].values()]
+    return [*(RenderedFile(f"{UNIT_DIR}/{m.unit}", render_unit(data, m))
+              for m in data.models.values()), *render_caddy(data)]
+
+
+def render_caddy(data: DonorBox) -> list[RenderedFile]:
+    """A donor's Caddy files: its TLS pair, the client CA and certificates it accepts, the
+    admin socket's drop-in, the Caddyfile (tasks/caddy.py installs these)."""
     pki = pki_for(data)
-    cert_pem, key_pem = pki.server_cert(
-        data["donor_name"], [r["hostname"] for r in data["routes"]])
+    files = []
+    cert_pem, key_pem = pki.server_cert(data.donor_name, [r.hostname for r in data.routes])
     cert, key = tls_paths(data)
     # The TLS files come before the Caddyfile: validating the Caddyfile reads them.
     files.append(RenderedFile(cert, cert_pem))
@@ -329,19 +335,19 @@ def render_host(data: dict) -> list[RenderedFile]:
     return files
 
 
-def render_edge(data: dict) -> list[RenderedFile]:
+def render_edge(data: EdgeBox) -> list[RenderedFile]:
     """Every file the deploy writes to an edge: our CA, its client pair (from the client CA), its
     public pair when edge_public_tls is private_ca, the admin socket drop-in, the Caddyfile.
     Keys 0640 root:caddy."""
     pki, paths = pki_for(data), edge_paths(data)
     # Not renewed here: a donor's deploy does, so the donors trust it before the edge presents it.
-    client_pem, client_key_pem = pki.client_cert(data["edge_name"], renew=False)
+    client_pem, client_key_pem = pki.client_cert(data.edge_name, renew=False)
     files = [RenderedFile(paths["ca"], pki.ca_pem()),
              RenderedFile(paths["client_cert"], client_pem),
              RenderedFile(paths["client_key"], client_key_pem, mode="640", group="caddy")]
-    if data["public_tls"] == "private_ca":
-        cert_pem, key_pem = pki.server_cert(data["edge_name"],
-                                            [site["hostname"] for site in data["sites"]])
+    if data.public_tls == "private_ca":
+        cert_pem, key_pem = pki.server_cert(data.edge_name,
+                                            [site.hostname for site in data.sites])
         files.append(RenderedFile(paths["public_cert"], cert_pem))
         files.append(RenderedFile(paths["public_key"], key_pem, mode="640", group="caddy"))
     files.append(RenderedFile(CADDY_DROP_IN, render_caddy_drop_in(data)))

@@ -17,37 +17,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from donorkit import values
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
 
 
 @dataclass
 class Box:
     name: str
-    data: dict
+    data: DonorBox
 
     @property
     def routes(self) -> dict[str, str]:
         """Public hostname -> the checkpoint served under it."""
-        models = self.data["models"]
-        return {r["hostname"]: models[r["model"]]["checkpoint"] for r in self.data["routes"]}
+        models = self.data.models
+        return {r.hostname: models[r.model].checkpoint for r in self.data.routes}
 
 
 @dataclass
 class Edge:
     name: str
-    data: dict
+    data: EdgeBox
 
     def pool_of(self, box: Box) -> list[str]:
         """The upstream addresses (host:port, as the edge's Caddy logs them) under which this
         edge proxies to `box`: one per hostname it serves that the box routes."""
-        return sorted({u["address"] for site in self.data["sites"] for u in site["upstreams"]
-                       if u["donor"] == box.name})
+        return sorted({u.address for site in self.data.sites for u in site.upstreams
+                       if u.donor == box.name})
 
     @property
     def health_wait(self) -> float:
         """Seconds in which every active health checker of the edge has checked once."""
-        proxy = self.data["edge_proxy"]
-        return seconds(proxy["health_interval"]) + seconds(proxy["health_timeout"])
+        proxy = self.data.edge_proxy
+        return seconds(proxy.health_interval) + seconds(proxy.health_timeout)
 
 
 # A Caddy duration of the inventory (`2s`, `250ms`, `1m30s`) in seconds: the schema's own parser.
@@ -56,10 +57,10 @@ seconds = values.duration_seconds
 
 def inventory_hosts(inventory: str) -> tuple[list[Box], list[Edge]]:
     """The inventory file's `donors` and `edges` groups, as pyinfra itself loads them (same
-    file, same data)."""
+    file, same data), each host's data typed again (donorkit/host_data.py)."""
     groups = runpy.run_path(str(REPO_ROOT / inventory))
-    return ([Box(name, data) for name, data in groups["donors"]],
-            [Edge(name, data) for name, data in groups.get("edges", [])])
+    return ([Box(name, DonorBox.from_pyinfra(data)) for name, data in groups["donors"]],
+            [Edge(name, EdgeBox.from_pyinfra(data)) for name, data in groups.get("edges", [])])
 
 
 def load_boxes(inventory: str) -> list[Box]:
@@ -149,7 +150,7 @@ def plan_text(batches: list[list[Box]], edges: list[Edge],
 
 
 def lock_path(box: Box) -> str:
-    return f"{box.data['install_root']}/state/rollout.lock"
+    return f"{box.data.install_root}/state/rollout.lock"
 
 
 def lock_command(path: str, holder: str) -> str:

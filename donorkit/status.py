@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.limit import LimitError, select
 from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki, PkiError
@@ -43,16 +44,16 @@ GPU_FIELDS = "name,driver_version,memory.used,memory.total,utilization.gpu"
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
-def where(data: dict) -> str:
-    return f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
+def where(data: DonorBox | EdgeBox) -> str:
+    return f"{data.ssh_user}@{data.ssh_hostname}:{data.ssh_port}"
 
 
 # --- a donor ----------------------------------------------------------------------------------
-def donor_command(data: dict) -> str:
+def donor_command(data: DonorBox) -> str:
     """One shell command: sections `== name` with what the box says about itself."""
-    units = " ".join(q(m["unit"]) for m in data["models"].values())
-    site = f"{q(data['venv_dir'])}/lib/python3*/site-packages"  # the glob outside the quotes
-    gpu = ("echo 'cpu engine, -, -, -, -'" if data["card"].engine == "cpu" else
+    units = " ".join(q(m.unit) for m in data.models.values())
+    site = f"{q(data.venv_dir)}/lib/python3*/site-packages"  # the glob outside the quotes
+    gpu = ("echo 'cpu engine, -, -, -, -'" if data.card.engine == "cpu" else
            f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4")
     return "; ".join([
         "echo '== gpu'", gpu,
@@ -60,7 +61,7 @@ def donor_command(data: dict) -> str:
         f"for u in {units}; do echo \"== unit $u\"; systemctl show --no-pager -p ActiveState "
         "-p SubState -p ActiveEnterTimestampMonotonic -p ExecStart \"$u\"; done",
         "echo '== drained'", f"test -e {q(drain_flag(data))} && echo yes || echo no",
-        "echo '== toolkit'", f"cat {q(data['install_root'] + '/state/toolkit-version')} "
+        "echo '== toolkit'", f"cat {q(data.install_root + '/state/toolkit-version')} "
         "2>/dev/null",
         "echo '== dists'", f"ls -d {site}/*.dist-info 2>/dev/null | sed 's|.*/||'",
         "true",
@@ -138,11 +139,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def ask_caddy(data: dict, hostname: str, path: str, client: tuple[str, str],
+def ask_caddy(data: DonorBox, hostname: str, path: str, client: tuple[str, str],
               timeout: float) -> tuple[int, str, str | None]:
     """GET https://hostname{path} at the box's Caddy (rollout's pinned HTTPS: SNI and Host the
     public name, our CA, the operator's client certificate): (status, body, cert notAfter)."""
-    conn = PinnedHTTPS(data["ssh_hostname"], int(data["caddy_https_port"]), hostname,
+    conn = PinnedHTTPS(data.ssh_hostname, data.caddy_https_port, hostname,
                        client_context(pki_dir(data) / "ca.crt", client), timeout)
     try:
         conn.request("GET", path)
@@ -154,7 +155,7 @@ def ask_caddy(data: dict, hostname: str, path: str, client: tuple[str, str],
         conn.close()
 
 
-def serving(data: dict, model: dict, hostname: str, timeout: float) -> dict:
+def serving(data: DonorBox, model: ServedModel, hostname: str, timeout: float) -> dict:
     """The model as the box's Caddy serves it under `hostname`."""
     out: dict = {"hostname": hostname, "ready": False, "served": None, "metrics": {},
                  "cert_expires": None, "problem": None}
@@ -173,9 +174,9 @@ def serving(data: dict, model: dict, hostname: str, timeout: float) -> dict:
             return out
         ids = [m.get("id") for m in json.loads(body).get("data", [])]
         out["served"] = ids
-        out["ready"] = model["checkpoint"] in ids
+        out["ready"] = model.checkpoint in ids
         if not out["ready"]:
-            out["problem"] = f"{model['checkpoint']} not listed ({', '.join(ids) or 'none'})"
+            out["problem"] = f"{model.checkpoint} not listed ({', '.join(ids) or 'none'})"
         status, body, _ = ask_caddy(data, hostname, "/metrics", client, timeout)
         if status == 200:
             out["metrics"] = parse_metrics(body)
@@ -184,7 +185,7 @@ def serving(data: dict, model: dict, hostname: str, timeout: float) -> dict:
     return out
 
 
-def connect(data: dict, timeout: float, row: dict) -> SshRunner | None:
+def connect(data: DonorBox | EdgeBox, timeout: float, row: dict) -> SshRunner | None:
     """SSH to the box, or None with the cause in the row's `unreachable` (one line)."""
     try:
         return SshRunner(data, timeout=timeout)
@@ -193,9 +194,9 @@ def connect(data: dict, timeout: float, row: dict) -> SshRunner | None:
         return None
 
 
-def probe_donor(name: str, data: dict, timeout: float) -> dict:
+def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
     row: dict = {"name": name, "role": "donor", "address": where(data),
-                 "card_profile": data["card"].name}
+                 "card_profile": data.card.name}
     remote = connect(data, timeout, row)
     if remote is None:
         return row
@@ -218,25 +219,25 @@ def probe_donor(name: str, data: dict, timeout: float) -> dict:
         row["unreachable"] = f"the status command failed: {out.strip()[:200]}"
         return row
     hostnames = {}
-    for route in data["routes"]:
-        hostnames.setdefault(route["model"], route["hostname"])
-    for key, model in data["models"].items():
-        unit = parse_unit(found.get(f"unit {model['unit']}", []), uptime)
-        entry = {"model": key, "unit": model["unit"], "checkpoint": model["checkpoint"],
-                 "pinned": model.get("revision"), **unit}
+    for route in data.routes:
+        hostnames.setdefault(route.model, route.hostname)
+    for key, model in data.models.items():
+        unit = parse_unit(found.get(f"unit {model.unit}", []), uptime)
+        entry = {"model": key, "unit": model.unit, "checkpoint": model.checkpoint,
+                 "pinned": model.revision, **unit}
         entry.update(serving(data, model, hostnames[key], timeout))
         row["models"].append(entry)
     return row
 
 
 # --- an edge ----------------------------------------------------------------------------------
-def edge_command(data: dict, window: float) -> str:
+def edge_command(data: EdgeBox, window: float) -> str:
     return "; ".join([
         "echo '== caddy'", "systemctl is-active caddy",
-        "echo '== toolkit'", f"cat {q(data['install_root'] + '/state/toolkit-version')} "
+        "echo '== toolkit'", f"cat {q(data.install_root + '/state/toolkit-version')} "
         "2>/dev/null",
         "echo '== upstreams'",
-        f"curl -sS -m 5 --unix-socket {q(data['caddy_admin_socket'])} -H 'Host: ' "
+        f"curl -sS -m 5 --unix-socket {q(data.caddy_admin_socket)} -H 'Host: ' "
         "http://localhost/reverse_proxy/upstreams; echo",
         "echo '== journal'",
         f"journalctl -u caddy -o cat --no-pager --since=-{int(window)}s 2>&1 | grep '^{{'",
@@ -244,13 +245,13 @@ def edge_command(data: dict, window: float) -> str:
     ])
 
 
-def probe_edge(name: str, data: dict, timeout: float) -> dict:
+def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
     row: dict = {"name": name, "role": "edge", "address": where(data)}
-    proxy = data["edge_proxy"]
+    proxy = data.edge_proxy
     # Caddy logs a failing member at every check and says nothing while it is healthy: a
     # failure within one interval + timeout (plus a margin) is "down".
-    window = duration_seconds(proxy["health_interval"]) + duration_seconds(
-        proxy["health_timeout"]) + 2
+    window = duration_seconds(proxy.health_interval) + duration_seconds(
+        proxy.health_timeout) + 2
     remote = connect(data, timeout, row)
     if remote is None:
         return row
@@ -265,16 +266,16 @@ def probe_edge(name: str, data: dict, timeout: float) -> dict:
     journal = "\n".join(found.get("journal", []))
     now = time.time()
     row["pool"] = []
-    for site in data["sites"]:
-        for upstream in site["upstreams"]:
-            address = upstream["address"]
+    for site in data.sites:
+        for upstream in site.upstreams:
+            address = upstream.address
             events = [(at, up) for at, up in health_events(journal, address)
                       if now - at <= window + 5]
             try:
                 in_flight = upstream_requests(upstreams_json, address)
             except ValueError:
                 in_flight = None
-            row["pool"].append({"hostname": site["hostname"], "donor": upstream["donor"],
+            row["pool"].append({"hostname": site.hostname, "donor": upstream.donor,
                                 "address": address,
                                 "seen": "down" if events and not events[-1][1] else "up",
                                 "in_flight": in_flight})
@@ -296,7 +297,7 @@ def problems(rows: list[dict]) -> list[str]:
     return out
 
 
-def collect(fleet: dict[str, dict], edges: dict[str, dict], timeout: float) -> list[dict]:
+def collect(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], timeout: float) -> list[dict]:
     """Every box at once; rows in inventory order (donors, then edges)."""
     logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
     # The operator's client certificate, issued here once (not by each thread at once).

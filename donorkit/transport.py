@@ -22,9 +22,12 @@ import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from donorkit.paths import pki_dir
+
+if TYPE_CHECKING:
+    from donorkit.host_data import DonorBox, EdgeBox
 
 T = TypeVar("T")
 
@@ -67,12 +70,12 @@ def https_get(address: str, port: int, hostname: str, path: str, ca: Path | str 
         connection.close()
 
 
-def ca_file(data: dict) -> Path:
+def ca_file(data: DonorBox | EdgeBox) -> Path:
     """Our CA's certificate on this machine, for a host's data."""
     return pki_dir(data) / "ca.crt"
 
 
-def edge_client_pair(data: dict, edge: str) -> tuple[Path, Path]:
+def edge_client_pair(data: DonorBox | EdgeBox, edge: str) -> tuple[Path, Path]:
     """An edge's client certificate and key on this machine: what the edge itself presents to a
     donor (tasks/edge_caddy.py uploads the same pair)."""
     edges = pki_dir(data) / "edges"
@@ -83,20 +86,20 @@ class SshRunner:
     """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
     unknown or changed host key is refused; sudo for a user other than root)."""
 
-    def __init__(self, data: dict, timeout: float = 30) -> None:
+    def __init__(self, data: DonorBox | EdgeBox, timeout: float = 30) -> None:
         import paramiko  # only the commands that open SSH themselves pay for the import
 
         self._client = paramiko.SSHClient()
-        known = data.get("ssh_known_hosts_file")
+        known = data.ssh_known_hosts_file
         if known:
             self._client.load_host_keys(known)
         else:
             self._client.load_system_host_keys()
         self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
-                             username=data["ssh_user"], key_filename=data.get("ssh_key"),
+        self._client.connect(hostname=data.ssh_hostname, port=data.ssh_port,
+                             username=data.ssh_user, key_filename=data.ssh_key,
                              timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
-        self._sudo = bool(data.get("_sudo"))
+        self._sudo = data.sudo
 
     def run(self, command: str, timeout: float = 60) -> tuple[int, str]:
         """(exit status, stdout; stdout and stderr when it failed)."""

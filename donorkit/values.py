@@ -351,3 +351,9 @@ class Strict(BaseModel):
     """Every section: strict types, unknown keys refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    def to_json(self) -> Any:
+        """pyinfra's CLI shows host data as JSON (`debug-inventory`): it asks this method of each
+        value it cannot write itself (the typed host data, donorkit/host_data.py, is made of
+        these models)."""
+        return self.model_dump(mode="json")

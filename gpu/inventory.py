@@ -11,4 +11,4 @@ from donorkit.paths import REPO_ROOT
 
 _fleet = fleet_or_exit(os.environ.get("DONORS_FILE") or REPO_ROOT / "gpu/donors.yml",
                       require_local_sources=False)
-device = [("@local", data) for data in _fleet.values()]
+device = [("@local", box.pyinfra_data()) for box in _fleet.values()]

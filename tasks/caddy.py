@@ -5,7 +5,8 @@ from pyinfra import host
 from pyinfra.api import deploy
 
 from donorkit.caddy_config import caddy_config
-from donorkit.render import CADDY_DROP_IN, drain_flag, render_host
+from donorkit.host_data import this_box
+from donorkit.render import drain_flag, render_caddy
 from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import absent_path
 
@@ -14,11 +15,11 @@ from pyinfra_declared.files import absent_path
 def apply() -> None:
     apt_install(name="Install Caddy", packages=["caddy"], lock_wait=host.data.apt_lock_wait)
 
-    # Caddy's files only (its TLS pair, client CA, drop-in, Caddyfile): tasks/units.py installs the
-    # vLLM units render_host also renders.
+    box = this_box(host)
+    # Caddy's files (its TLS pair, client CA, drop-in, Caddyfile); tasks/units.py installs the
+    # vLLM units.
     caddy_config(
-        [rendered for rendered in render_host(host.data.dict())
-         if rendered.path.startswith(("/etc/caddy/", CADDY_DROP_IN))],
+        render_caddy(box),
         install_root=host.data.install_root,
         tls_dir=host.data.caddy_tls_dir,
         access_log=host.data.caddy_access_log,
@@ -27,4 +28,4 @@ def apply() -> None:
     # rolling rollout (donorkit/rollout.py) creates this flag to take the box out of the edges'
     # pools before its run; any run that gets here puts it back (an interrupted rollout
     # converges).
-    absent_path(name="Put the box back in the edges' pools", path=drain_flag(host.data.dict()))
+    absent_path(name="Put the box back in the edges' pools", path=drain_flag(box))

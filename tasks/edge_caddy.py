@@ -9,6 +9,7 @@ from pyinfra.api import deploy
 
 from donorkit.box_operations import caddy_has_module
 from donorkit.caddy_config import caddy_config
+from donorkit.host_data import this_box
 from donorkit.render import render_edge
 from pyinfra_declared.apt import apt_install
 
@@ -30,7 +31,7 @@ def apply() -> None:
         )
 
     caddy_config(
-        render_edge(host.data.dict()),
+        render_edge(this_box(host)),
         install_root=host.data.install_root,
         tls_dir=host.data.caddy_tls_dir,
         access_log=host.data.caddy_access_log,

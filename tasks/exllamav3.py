@@ -23,12 +23,14 @@ from donorkit.box_operations import (
     install_wheel,
     upload_cached_wheel,
 )
+from donorkit.host_data import this_box
 from donorkit.paths import repo_path
 from pyinfra_declared.files import config_file, directories
 
 
 @deploy("exllamav3")
 def apply() -> None:
+    box = this_box(host)
     root = host.data.install_root
     source = f"{root}/src/exllamav3"
     script = f"{root}/bin/build-exllamav3.sh"
@@ -49,7 +51,7 @@ def apply() -> None:
         distro=host_profile()["distro"],
         venv_dir=host.data.venv_dir,
         cuda_home=host.data.cuda_home,
-        stamp=f"{root}/state/exllamav3.stack",
+        stamp=box.exllamav3_stamp,
         box_dir=f"{root}/wheels",
         cache_dir=host.data.exllamav3_wheel_cache,
     )

@@ -7,6 +7,7 @@ from pyinfra.operations import server
 
 from donorkit.fleet import plugin_local_path
 from donorkit.render import PLUGIN_TREE_STAMP
+from donorkit.schema import PluginPath
 from pyinfra_declared.python_env import editable_install, editable_install_command
 from pyinfra_declared.sources import git_checkout, source_tree
 
@@ -17,13 +18,13 @@ def apply() -> None:
     dest = host.data.vllm_exl3_plugin_dir
     venv = host.data.venv_dir
 
-    if "path" in plugin:
+    if isinstance(plugin, PluginPath):
         fetched = source_tree(name="Ship the vllm-exl3 plugin source",
                               local_dir=str(plugin_local_path(plugin)), dest=dest,
                               stamp_name=PLUGIN_TREE_STAMP)
     else:
-        fetched = git_checkout(name=f"Check out vllm-exl3 {plugin['ref']}",
-                               url=plugin["git_url"], ref=plugin["ref"], dest=dest)
+        fetched = git_checkout(name=f"Check out vllm-exl3 {plugin.ref}",
+                               url=plugin.git_url, ref=plugin.ref, dest=dest)
     editable_install(name="Install the vllm-exl3 plugin (editable)", venv_dir=venv, source_dir=dest,
                      _if=fetched.did_not_change)
     # Change detection lists this one under "Conditional Change": it runs if the source changes.

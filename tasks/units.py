@@ -14,6 +14,7 @@ from pyinfra import host
 from pyinfra.api import deploy
 
 from donorkit.box_facts import host_profile
+from donorkit.host_data import this_box
 from donorkit.kernel_cache import UnitKernels, keep_kernels, ship_kernels
 from donorkit.paths import repo_path
 from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
@@ -24,14 +25,15 @@ from pyinfra_declared.services import retired_unit, service_running_its_files
 
 @deploy("vLLM units")
 def apply() -> None:
+    box = this_box(host)
     install_root = host.data.install_root
     site_packages = f"{host.data.venv_dir}/lib/python3*/site-packages"
     shared_dependencies = [f"{site_packages}/*.dist-info"]
-    if host.data.card.engine == "cuda":  # a cpu engine has no plugin and no exllamav3
+    if box.cuda_engine:  # a cpu engine has no plugin and no exllamav3
         shared_dependencies += [
             f"{host.data.vllm_exl3_plugin_dir}/{PLUGIN_TREE_STAMP}",
             f"{host.data.vllm_exl3_plugin_dir}/.git/HEAD",
-            f"{install_root}/state/exllamav3.stack",
+            box.exllamav3_stamp,
         ]
 
     gate = f"{install_root}/bin/wait_ready.py"
@@ -42,41 +44,40 @@ def apply() -> None:
     # The gate and every unit in one operation; a unit systemd would refuse (or warn about: a
     # line it ignores) never replaces a working one.
     models = list(host.data.models.values())
-    rendered = {model["unit"]: render_unit(host.data.dict(), model) for model in models}
+    rendered = {model.unit: render_unit(box, model) for model in models}
     config_files(
-        name=f"Install the readiness gate and {', '.join(m['unit'] for m in models)}",
+        name=f"Install the readiness gate and {', '.join(m.unit for m in models)}",
         files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
                           mode="755"),
-               *(ConfigFile(content=rendered[model["unit"]],
-                            dest=f"{UNIT_DIR}/{model['unit']}", validate=VERIFY_UNIT)
+               *(ConfigFile(content=rendered[model.unit],
+                            dest=f"{UNIT_DIR}/{model.unit}", validate=VERIFY_UNIT)
                  for model in models)])
 
     for model in models:
-        unit_path = f"{UNIT_DIR}/{model['unit']}"
+        unit_path = f"{UNIT_DIR}/{model.unit}"
         kernels = None
-        if host.data.card.engine == "cuda":
+        if box.cuda_engine:
             kernels = UnitKernels(
-                unit=model["unit"], unit_text=rendered[model["unit"]],
-                checkpoint=model["checkpoint"], revision=model.get("revision"),
-                arch=host.data.card.arch, distro=host_profile()["distro"],
-                venv_dir=host.data.venv_dir, cuda_home=host.data.cuda_home,
-                home=host.data.service_home, service_user=host.data.service_user,
-                stamp=f"{install_root}/state/{model['unit']}.kernels",
-                box_dir=f"{install_root}/kernels", cache_dir=host.data.engine_kernel_cache)
-            ship_kernels(name=f"Kernels for {model['unit']}: from an earlier box of its stack",
+                unit=model.unit, unit_text=rendered[model.unit], checkpoint=model.checkpoint,
+                revision=model.revision, arch=box.card.arch, distro=host_profile()["distro"],
+                venv_dir=box.venv_dir, cuda_home=box.cuda_home, home=box.service_home,
+                service_user=box.service_user,
+                stamp=f"{install_root}/state/{model.unit}.kernels",
+                box_dir=f"{install_root}/kernels", cache_dir=box.engine_kernel_cache)
+            ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
         service_running_its_files(
-            name=f"Run {model['unit']} (port {model['port']}, {model['checkpoint']})",
-            unit=model["unit"],
+            name=f"Run {model.unit} (port {model.port}, {model.checkpoint})",
+            unit=model.unit,
             depends_on=[unit_path, *shared_dependencies],
-            record=f"{install_root}/state/{model['unit']}.started",
+            record=f"{install_root}/state/{model.unit}.started",
         )
         ready_gate(
-            name=f"Ready: {model['unit']} lists {model['checkpoint']}",
-            unit=model["unit"], port=model["port"], checkpoint=model["checkpoint"],
+            name=f"Ready: {model.unit} lists {model.checkpoint}",
+            unit=model.unit, port=model.port, checkpoint=model.checkpoint,
             python=f"{host.data.venv_dir}/bin/python", script=gate,
             timeout=host.data.ready_timeout, journal_lines=host.data.ready_journal_lines,
         )
         if kernels:
-            keep_kernels(name=f"Kernels for {model['unit']}: copy what its first start built "
+            keep_kernels(name=f"Kernels for {model.unit}: copy what its first start built "
                               "back to the cache", kernels=kernels)

@@ -27,7 +27,7 @@ def apply() -> None:
         busy_marker=VENV_BUSY_MARKER,
         stale_on_change=[FLASHINFER_AOT],
     )
-    if host.data.card.engine == "cuda":
+    if host.data.card.engine == "cuda":  # a cpu engine has no toolkit
         torch_matches_nvcc(
             name="Check torch's CUDA major against nvcc's",
             cuda_home=host.data.cuda_home,

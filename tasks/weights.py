@@ -53,10 +53,9 @@ def apply() -> None:
                         dest=token_file, mode="600", secret=True)
 
     for model in host.data.models.values():
-        revision = model.get("revision")
         model_weights(
-            name=f"Weights of {model['checkpoint']} @ {(revision or 'no revision')[:12]}",
-            model=model["name"], repo=model["checkpoint"], revision=revision,
+            name=f"Weights of {model.checkpoint} @ {(model.revision or 'no revision')[:12]}",
+            model=model.name, repo=model.checkpoint, revision=model.revision,
             python=f"{host.data.venv_dir}/bin/python", script=fetcher, service_user=user,
             home=home, cache_dir=hub_cache(home), manifests=manifest_dir(home),
             endpoint=host.data.hf_endpoint, token_file=token_file, token_error=token_error)

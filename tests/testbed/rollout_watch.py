@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from donorkit.rollout import gpu_side_check
+from donorkit.rollout_hosts import gpu_side_check
 from donorkit.rollout_plan import Box
 from donorkit.transport import https_get
 

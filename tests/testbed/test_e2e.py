@@ -500,9 +500,10 @@ def test_unit_quoting_round_trips_through_systemd(hosts: dict[str, Host]) -> Non
               for _ in range(20)]
     values = {f"RT_{i}": w for i, w in enumerate(words)}
     data = load_fleet(DONORS)[GOOD]
-    data = dict(data, vllm_executable="/usr/local/bin/argv-env",
-                unit_service=dict(data["unit_service"], Restart="no"))
-    model = dict(data["models"]["qwen"], args=["--x", *words], environment=values)
+    data = data.model_copy(update=dict(vllm_executable="/usr/local/bin/argv-env",
+                                       unit_service=dict(data.unit_service, Restart="no")))
+    model = data.models["qwen"].model_copy(update=dict(args=["--x", *words],
+                                                       environment=values))
     unit = "uncloseai-roundtrip.service"
     printer = (REPO_ROOT / "tests/testbed/standins/argv-env").read_text()
     for path, text in (("/usr/local/bin/argv-env", printer),

@@ -82,9 +82,9 @@ def test_deploy_real_engine(box: Host, data: dict) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     # The weights came from the stand-in hub through the deploy's own step, before the unit ran.
-    model = data["models"]["tiny"]
-    assert f"weights: fetching {model['checkpoint']}@{model['revision']} from " \
-        f"{data['hf_endpoint']}" in output, output[-6000:]
+    model = data.models["tiny"]
+    assert f"weights: fetching {model.checkpoint}@{model.revision} from " \
+        f"{data.hf_endpoint}" in output, output[-6000:]
     assert "weights: done" in output, output[-6000:]
     served = json.loads(subprocess.run(["curl", "-sf", f"{www.URL}/_standin/requests"],
                                        capture_output=True, text=True, check=True).stdout)
@@ -196,12 +196,12 @@ def test_make_status_reads_the_real_engines_metrics(box: Host, data: dict) -> No
     /metrics through its Caddy (vllm:num_requests_running/_waiting, vllm:kv_cache_usage_perc).
     The running count while a long generation runs is printed, not asserted: a run where it
     stayed 0 had the generation's answer discarded, so its cause is not known yet."""
-    model = data["models"]["tiny"]
-    body = json.dumps({"model": model["checkpoint"], "prompt": "count", "max_tokens": 4000,
+    model = data.models["tiny"]
+    body = json.dumps({"model": model.checkpoint, "prompt": "count", "max_tokens": 4000,
                        "ignore_eos": True, "temperature": 0})
     generation = subprocess.Popen(
         [*bed.ssh_command(box), f"curl -s -w ' HTTP %{{http_code}}' -H 'Content-Type: "
-         f"application/json' -d '{body}' http://127.0.0.1:{int(model['port'])}/v1/completions"],
+         f"application/json' -d '{body}' http://127.0.0.1:{int(model.port)}/v1/completions"],
         stdout=subprocess.PIPE, text=True)
     try:
         deadline, seen = time.monotonic() + 60, []
@@ -226,7 +226,7 @@ def test_make_status_reads_the_real_engines_metrics(box: Host, data: dict) -> No
           f"{answer[:200]} ... {answer[-40:]}")
     assert result.returncode == 0 and doc["ok"], doc
     [served] = row["models"]
-    assert served["ready"] and served["revision"] == served["pinned"] == model["revision"]
+    assert served["ready"] and served["revision"] == served["pinned"] == model.revision
     assert set(metrics) == {"vllm:num_requests_running", "vllm:num_requests_waiting",
                             "vllm:kv_cache_usage_perc"}, metrics
     assert 0 <= metrics["vllm:kv_cache_usage_perc"] <= 1

@@ -14,19 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.render import CADDYFILE, render_host, unit_environment
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 
 
-def in_tmp(data: dict, tmp: Path) -> dict:
+def in_tmp(data: DonorBox | EdgeBox, tmp: Path) -> DonorBox | EdgeBox:
     """The host's data with its TLS directory, access log and PKI under tmp (the same strings
     behind a prefix: `caddy adapt` reads the certificates the config names)."""
-    return dict(data, caddy_tls_dir=f"{tmp}{data['caddy_tls_dir']}",
-                caddy_access_log=f"{tmp}{data['caddy_access_log']}", pki_dir=str(tmp / "pki"))
+    return data.model_copy(update={"caddy_tls_dir": f"{tmp}{data.caddy_tls_dir}",
+                                   "caddy_access_log": f"{tmp}{data.caddy_access_log}",
+                                   "pki_dir": str(tmp / "pki")})
 
 
-def lay_out(data: dict, tmp: Path) -> tuple[Path, dict[str, str]]:
+def lay_out(data: DonorBox | EdgeBox, tmp: Path) -> tuple[Path, dict[str, str]]:
     """Every rendered file written (those under tmp where they are, the rest under tmp/root);
     returns the Caddyfile's path and {unit path: text}."""
     units = {}
@@ -99,14 +101,14 @@ def _without_sites(config: dict) -> dict:
                                                            servers=servers)))
 
 
-def check_caddy(data: dict, config: dict, reference: dict) -> None:
+def check_caddy(data: DonorBox | EdgeBox, config: dict, reference: dict) -> None:
     """`config` (adapted from data's Caddyfile) has the sites, listeners, upstreams and files
     data names, and the shape of `reference` (the same template, rendered from shipped data)."""
-    edge = data.get("role") == "edge"
-    hostnames = ({site["hostname"] for site in data["sites"]} if edge
-                 else {route["hostname"] for route in data["routes"]})
-    port = data["edge_https_port"] if edge else data["caddy_https_port"]
-    assert config["admin"] == {"listen": f"unix/{data['caddy_admin_socket']}"}, config["admin"]
+    edge = isinstance(data, EdgeBox)
+    hostnames = ({site.hostname for site in data.sites} if edge
+                 else {route.hostname for route in data.routes})
+    port = data.edge_https_port if edge else data.caddy_https_port
+    assert config["admin"] == {"listen": f"unix/{data.caddy_admin_socket}"}, config["admin"]
     servers = config["apps"]["http"]["servers"].values()
     assert {a for server in servers for a in server["listen"]} == {f":{port}"}
     routes = _routes(config)
@@ -114,17 +116,17 @@ def check_caddy(data: dict, config: dict, reference: dict) -> None:
     assert set(hosts) == hostnames, (hosts, hostnames)
     assert all(len(route.get("match", [])) == 1 for route in routes), routes
     if edge:
-        wanted = {u["address"].removeprefix("https://") for site in data["sites"]
-                  for u in site["upstreams"]}
+        wanted = {u.address.removeprefix("https://") for site in data.sites
+                  for u in site.upstreams}
     else:
-        wanted = {f"127.0.0.1:{data['models'][r['model']]['port']}" for r in data["routes"]}
+        wanted = {f"127.0.0.1:{data.models[r.model].port}" for r in data.routes}
     dials = {u["dial"] for u in _find(routes, "upstreams") for u in u}
     assert dials and dials <= wanted, (dials, wanted)
     logs = [log for name, log in config["logging"]["logs"].items() if name != "default"]
-    assert {log["writer"]["filename"] for log in logs} == {data["caddy_access_log"]}
+    assert {log["writer"]["filename"] for log in logs} == {data.caddy_access_log}
     files = {v for loaded in _find(config.get("apps", {}).get("tls", {}), "load_files")
              for f in loaded for v in (f["certificate"], f["key"])}
-    assert all(f.startswith(f"{data['caddy_tls_dir']}/") for f in files), files
+    assert all(f.startswith(f"{data.caddy_tls_dir}/") for f in files), files
     assert skeleton(_without_sites(config)) == skeleton(_without_sites(reference))
     assert {skeleton(route) for route in routes} == {skeleton(r) for r in _routes(reference)}
 
@@ -150,27 +152,29 @@ def unit_keys(text: str) -> list[str]:
     return keys
 
 
-def check_unit(data: dict, model: dict, text: str) -> None:
+def check_unit(data: DonorBox, model: ServedModel, text: str) -> None:
     wanted = ["[Unit]", "[Unit]Description", "[Unit]Wants", "[Unit]After", "[Service]",
               "[Service]Type", "[Service]User",
               *["[Service]Environment"] * len(unit_environment(data, model)),
-              "[Service]ExecStart", *[f"[Service]{k}" for k in data["unit_service"]],
+              "[Service]ExecStart", *[f"[Service]{k}" for k in data.unit_service],
               "[Install]", "[Install]WantedBy"]
     assert unit_keys(text) == wanted, text
-    assert f"\nUser={data['service_user']}\n" in text
+    assert f"\nUser={data.service_user}\n" in text
 
 
-def check_host(data: dict, tmp: Path, reference: dict, same_as: str | None = None) -> None:
+def check_host(data: DonorBox | EdgeBox, tmp: Path, reference: dict,
+               same_as: str | None = None) -> None:
     """Render the host as the deploy would, then check its Caddyfile (read by `caddy adapt`
     unless it is `same_as`, the reference's text) and its units."""
     caddyfile, units = lay_out(data, tmp)
     check_caddy(data, reference if caddyfile.read_text() == same_as else adapt(caddyfile),
                 reference)
-    for model in data.get("models", {}).values():
-        check_unit(data, model, units[f"/etc/systemd/system/{model['unit']}"])
+    if isinstance(data, DonorBox):
+        for model in data.models.values():
+            check_unit(data, model, units[f"/etc/systemd/system/{model.unit}"])
 
 
-def reference_config(data: dict, tmp: Path) -> dict:
+def reference_config(data: DonorBox | EdgeBox, tmp: Path) -> dict:
     caddyfile, _ = lay_out(in_tmp(data, tmp), tmp)
     return adapt(caddyfile)
 

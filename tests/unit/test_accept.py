@@ -21,6 +21,8 @@ from donorkit import transport
 from donorkit.fleet import load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT, Pki
+from donorkit.schema import RateLimit
+from tests.unit.host_edit import put
 
 BASE = core.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
 
@@ -257,9 +259,8 @@ def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
     edge only where that measures this donor alone and unthrottled; else to the donor's Caddy
     with the operator's client certificate, issued under pki_dir/edges/."""
     fleet, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
-    for data in fleet.values():
-        data["pki_dir"] = str(tmp_path / "pki")
-    fleet = {n: fleet[n] for n in ("tb-4090", "tb-4090b")}
+    fleet = {n: fleet[n].model_copy(update={"pki_dir": str(tmp_path / "pki")})
+             for n in ("tb-4090", "tb-4090b")}
     # tb-edge spreads hermes.ai.unturf.com over both: each donor is measured on its own Caddy.
     targets = core.targets_from_fleet(fleet, None, edges)
     assert [t.base_url for t in targets] == ["https://10.213.0.11:443", "https://10.213.0.13:443"]
@@ -271,14 +272,16 @@ def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
         assert "spreads it over 2 donors" in t.route
     assert (tmp_path / "pki/edges/operator-accept.key").stat().st_mode & 0o777 == 0o600
     # The same edge with tb-4090 alone behind it: through the edge, no client certificate.
-    site = edges["tb-edge"]["sites"][0]
-    site["upstreams"] = [u for u in site["upstreams"] if u["donor"] == "tb-4090"]
+    site = edges["tb-edge"].sites[0]
+    edges["tb-edge"] = put(edges["tb-edge"], ("sites", 0, "upstreams"),
+                           [u for u in site.upstreams if u.donor == "tb-4090"])
     one = core.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
     assert (one.base_url, one.client) == ("https://10.213.0.20:443", None)
     assert one.ca_file == str(tmp_path / "pki/ca.crt")  # the edge's public TLS is our CA here
     assert one.route.startswith("through edge tb-edge")
     # ... unless it rate-limits (the concurrent prompts would get 429): its Caddy again.
-    edges["tb-edge"]["rate_limit"] = {"events": 3, "window": "1s", "key": "{remote_host}"}
+    edges["tb-edge"] = edges["tb-edge"].model_copy(update={"rate_limit": RateLimit(
+        events=3, window="1s", key="{remote_host}")})
     one = core.targets_from_fleet({"tb-4090": fleet["tb-4090"]}, None, edges)[0]
     assert one.base_url == "https://10.213.0.11:443" and one.client is not None
     assert "rate-limits it (3 per 1s)" in one.route
@@ -330,7 +333,7 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     fleet, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
-    data = dict(fleet["tb-4090"], pki_dir="~/operator-pki")
+    data = fleet["tb-4090"].model_copy(update={"pki_dir": "~/operator-pki"})
     where = tmp_path / "home/operator-pki"
     assert pki_dir(data) == where and pki_for(data).directory == where
     [target] = core.targets_from_fleet({"tb-4090": data}, "https://via.example", {})
@@ -363,8 +366,7 @@ def test_tool_calls_are_measured_only_where_the_model_is_served_with_them(
     with 400 (seen on the H200, 2026-12-01), so accept must not count that against the box;
     hermes has the flag and its tool calls are measured."""
     fleet, _ = load_inventory(REPO_ROOT / "gpu/engine.yml")
-    for data in fleet.values():
-        data["pki_dir"] = str(tmp_path / "pki")
+    fleet = {n: d.model_copy(update={"pki_dir": str(tmp_path / "pki")}) for n, d in fleet.items()}
     targets = {t.model: t for t in a.targets_from_fleet(fleet, "http://127.0.0.1:1", {})}
     assert targets["qwen"].tool_calls is False
     assert targets["hermes"].tool_calls is True

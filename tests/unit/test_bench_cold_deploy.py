@@ -82,7 +82,7 @@ def test_bench_donors_files_load(tmp_path: Path, size: int) -> None:
     cache = tmp_path / "cache"
     fleet = load_fleet(cold_deploy.bench_donors(names, tmp_path / "donors.yml", cache))
     assert sorted(fleet) == [n for n, _ in names]
-    assert {box["exllamav3_wheel_cache"] for box in fleet.values()} == {str(cache)}
+    assert {box.exllamav3_wheel_cache for box in fleet.values()} == {str(cache)}
 
 
 def test_export_tree_gives_the_deploy_at_a_revision(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_noop_rerun_donors_files_load(tmp_path: Path) -> None:
 def test_rollout_bench_donors_file_loads(tmp_path: Path) -> None:
     names = [("tb-4090", "10.213.0.11"), ("tb-bench2", "10.213.0.22")]
     donors, _ = load_inventory(rollout_bench.donors_file(names, 2.5, tmp_path / "d.yml"))
-    assert {r["hostname"] for d in donors.values() for r in d["routes"]} == {
+    assert {r.hostname for d in donors.values() for r in d.routes} == {
         rollout_bench.HOSTNAME}
 
 

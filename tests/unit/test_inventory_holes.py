@@ -18,6 +18,7 @@ from donorkit import pki, rollout_plan
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.render import render_edge_caddyfile
+from tests.unit.host_edit import put
 
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}
@@ -67,7 +68,7 @@ def test_the_audits_edge_site_never_reaches_a_caddyfile(tmp_path: Path) -> None:
     """The same zone id through the template (the schema bypassed): the render refuses it."""
     fleet, edges = load_inventory(write(tmp_path, edges={"front": EDGE}))
     data = edges["front"]
-    data["sites"][0]["upstreams"][0]["address"] = f"[{ZONE_SITE}]:443"
+    data = put(data, ("sites", 0, "upstreams", 0, "address"), f"[{ZONE_SITE}]:443")
     with pytest.raises(ValueError, match="cannot be a Caddyfile token"):
         render_edge_caddyfile(data)
 
@@ -201,7 +202,7 @@ def test_a_real_token_file_passes(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("hf_abcdefghijklmnopqrstuvwxyz\n")
     fleet, _ = load_inventory(write(tmp_path, hf_token_file=str(token)))
-    assert fleet["box"]["hf_token_file"] == str(token)
+    assert fleet["box"].hf_token_file == str(token)
 
 
 # ------------------------------------------------------------------ hole 3: unit settings ------
@@ -228,7 +229,7 @@ def test_unit_settings_that_grant_privilege(tmp_path: Path, key: str, value: str
     ("ReadWritePaths", "{service_home} {service_home}/x"), ("Nice", 5), ("PrivateTmp", True)])
 def test_unit_settings_that_grant_nothing_pass(tmp_path: Path, key: str, value: object) -> None:
     fleet, _ = load_inventory(write(tmp_path, unit_service={key: value}))
-    assert key in fleet["box"]["unit_service"]
+    assert key in fleet["box"].unit_service
 
 
 @pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"])

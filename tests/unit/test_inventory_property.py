@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from donorkit import render_cli
 from donorkit.fleet import DEFAULTS_FILE, DONORS_FILE
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
 
 CASES = int(os.environ.get("UNCLOSEAI_PROPERTY_CASES", "2000"))
@@ -277,17 +278,17 @@ def test_every_string_field_is_refused_in_one_line_or_renders_as_data() -> None:
         work = Path(tmp)
         references: dict[tuple, tuple[dict, str]] = {}
 
-        def reference(name: str, data: dict) -> tuple[dict, str]:
+        def reference(name: str, data: DonorBox | EdgeBox) -> tuple[dict, str]:
             """The unmutated file's config for this host (or, renamed, for its role) with the
             same public_tls, and its Caddyfile's text (the same text needs no second adapt)."""
-            edge = data.get("role") == "edge"
+            edge = data.role == "edge"
             known = name if name in ("tb-4090", "tb-3090", "tb-edge") else \
                 "tb-edge" if edge else "tb-4090"
-            key = (known, data.get("public_tls"))
+            key = (known, data.public_tls if edge else None)
             if key not in references:
                 base = copy.deepcopy(STRING_BASE)
                 if edge:
-                    base["edges"]["tb-edge"]["public_tls"] = data["public_tls"]
+                    base["edges"]["tb-edge"]["public_tls"] = data.public_tls
                 base["overrides"]["pki_dir"] = str(work / "pki")
                 path = work / "reference.yml"
                 path.write_text(yaml.safe_dump(base))

@@ -81,7 +81,7 @@ def test_lock_pins_the_branch_commit_in_the_file_that_defines_it(hub, tmp_path) 
     # Only the revision line changed; the comments stay.
     assert text == donors(url).replace("revision: null   # not yet",
                                        f"revision: {commit}  # not yet")
-    assert load_fleet(path)["box-a"]["models"]["qwen"]["revision"] == commit
+    assert load_fleet(path)["box-a"].models["qwen"].revision == commit
     again = run("--donors", str(path))
     assert again.returncode == 0 and again.stdout.endswith(": unchanged (served by box-a)\n")
 
@@ -104,8 +104,8 @@ def test_a_donor_with_its_own_checkpoint_gets_its_own_pin(hub, tmp_path) -> None
     result = run("--donors", str(path))
     assert result.returncode == 0, result.stderr
     fleet = load_fleet(path)
-    assert fleet["box-a"]["models"]["qwen"]["revision"] == state.repos[QWEN].commit
-    assert fleet["box-b"]["models"]["qwen"]["revision"] == state.repos[OTHER].commit
+    assert fleet["box-a"].models["qwen"].revision == state.repos[QWEN].commit
+    assert fleet["box-b"].models["qwen"].revision == state.repos[OTHER].commit
     assert f"donors.box-b.overrides.models.qwen: {OTHER} @ main: none -> " in result.stdout
 
 

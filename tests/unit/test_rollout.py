@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from donorkit.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
 from donorkit.rollout_plan import Box, plan_batches, resume_command
 from tests.unit.make import make
 
-MODELS = {"qwen": {"checkpoint": "org/qwen"}, "hermes": {"checkpoint": "org/hermes"}}
+# Host data with only the fields the plan reads (model_construct: the rest is not needed here).
+MODELS = {m: ServedModel.model_construct(name=m, checkpoint=f"org/{m}") for m in ("qwen", "hermes")}
 
 
 def box(name: str, *hostnames: str) -> Box:
-    return Box(name, {"models": MODELS,
-                      "routes": [{"hostname": h, "model": "qwen"} for h in hostnames]})
+    return Box(name, DonorBox.model_construct(
+        models=MODELS, routes=[Route(hostname=h, model="qwen") for h in hostnames]))
 
 
 def names(batches):
@@ -52,16 +54,16 @@ import subprocess as _subprocess  # noqa: E402
 
 import yaml  # noqa: E402
 
-from donorkit import rollout, rollout_plan  # noqa: E402
+from donorkit import rollout, rollout_hosts, rollout_plan  # noqa: E402
 from donorkit.paths import REPO_ROOT  # noqa: E402
 
 
 def edge(name: str, *pools: tuple[str, str]) -> rollout_plan.Edge:
     """An edge whose site `hostname` has the donors `names` (address: name:443)."""
-    return rollout_plan.Edge(name, {"sites": [
-        {"hostname": hostname, "upstreams": [{"donor": n, "address": f"{n}:443"}
-                                             for n in names.split()]}
-        for hostname, names in pools]})
+    return rollout_plan.Edge(name, EdgeBox.model_construct(sites=[
+        Site.model_construct(hostname=hostname, upstreams=[
+            Upstream(donor=n, address=f"{n}:443") for n in names.split()])
+        for hostname, names in pools]))
 
 
 def serving_of(boxes: list[Box]) -> dict[str, list[Box]]:
@@ -117,7 +119,7 @@ def test_plan_connects_to_nothing(tmp_path, monkeypatch, capsys):
     def no_connection(*args, **kwargs):
         raise AssertionError("--plan opened a connection")
 
-    monkeypatch.setattr(rollout, "SshRunner", no_connection)
+    monkeypatch.setattr(rollout_hosts, "SshRunner", no_connection)
     monkeypatch.setattr(socket, "create_connection", no_connection)
     assert rollout.main(["--plan", "--batch", "2"]) == 0
     out = capsys.readouterr().out
@@ -214,7 +216,7 @@ class LocalRemote:
 
 
 def local_fleet(tmp_path: Path, names: list[str]) -> rollout.RolloutHosts:
-    boxes = [Box(n, {"install_root": str(tmp_path / n)}) for n in names]
+    boxes = [Box(n, DonorBox.model_construct(install_root=str(tmp_path / n))) for n in names]
     fleet = rollout.RolloutHosts(boxes, [])
     fleet.remote = lambda host: LocalRemote()
     return fleet

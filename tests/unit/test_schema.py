@@ -53,10 +53,10 @@ def refused(path: Path, field: str, problem: str = "") -> str:
 
 def test_one_field_of_a_profile_overridden(tmp_path: Path) -> None:
     box = load_fleet(with_overrides(tmp_path, {"models": {"qwen": {"port": 18887}}}))["box"]
-    qwen = box["models"]["qwen"]
-    assert qwen["port"] == 18887
-    assert qwen["checkpoint"] == "turboderp/Qwen3.8-27B-exl3"  # the rest of the profile stays
-    assert qwen["environment"]["VLLM_EXL3_BACKEND"] == "exllamav3"
+    qwen = box.models["qwen"]
+    assert qwen.port == 18887
+    assert qwen.checkpoint == "turboderp/Qwen3.8-27B-exl3"  # the rest of the profile stays
+    assert qwen.environment["VLLM_EXL3_BACKEND"] == "exllamav3"
     assert "--port 18887" in render_unit(box, qwen)
 
 
@@ -64,16 +64,16 @@ def test_one_field_of_a_card_and_one_env_value_overridden(tmp_path: Path) -> Non
     box = load_fleet(with_overrides(tmp_path, {
         "cards": {"rtx4090": {"cuda": "13.0"}},
         "unit_environment": {"EXTRA": "1"}}))["box"]
-    assert box["cuda_home"] == "/usr/local/cuda-13.0" and box["card"].arch == "8.9"
-    assert box["unit_environment"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    assert box.cuda_home == "/usr/local/cuda-13.0" and box.card.arch == "8.9"
+    assert box.unit_environment == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                        "MAX_JOBS": "2", "EXTRA": "1"}
 
 
 def test_the_plugin_source_is_replaced_whole(tmp_path: Path) -> None:
     box = load_fleet(with_overrides(tmp_path, {"vllm_exl3_plugin": {
         "git_url": "https://example.com/vllm-exl3.git", "ref": "v1"}}))["box"]
-    assert box["vllm_exl3_plugin"] == {"git_url": "https://example.com/vllm-exl3.git",
-                                       "ref": "v1"}
+    assert box.vllm_exl3_plugin.model_dump() == {
+        "git_url": "https://example.com/vllm-exl3.git", "ref": "v1"}
 
 
 def test_a_partial_new_profile_names_what_is_missing(tmp_path: Path) -> None:
@@ -166,7 +166,7 @@ def test_ssh_host_is_a_hostname_or_an_ip(tmp_path: Path, address: object) -> Non
 
 @pytest.mark.parametrize("address", ["gpu1", "gpu1.lan", "203.0.113.7", "2001:db8::7"])
 def test_good_ssh_hosts(tmp_path: Path, address: str) -> None:
-    assert load_fleet(donors(tmp_path, dict(BOX, ssh_host=address)))["box"]["ssh_hostname"] == \
+    assert load_fleet(donors(tmp_path, dict(BOX, ssh_host=address)))["box"].ssh_hostname == \
         address
 
 
@@ -204,7 +204,7 @@ def test_two_donors_may_route_one_hostname(tmp_path: Path) -> None:
     path = tmp_path / "donors.yml"
     path.write_text(yaml.safe_dump({"donors": {"a": BOX, "b": dict(BOX, ssh_host="192.0.2.11")}}))
     fleet = load_fleet(path)
-    assert fleet["a"]["routes"] == fleet["b"]["routes"]
+    assert fleet["a"].routes == fleet["b"].routes
 
 
 # ------------------------------------------------------------------ the CA ---------------------
@@ -301,7 +301,7 @@ def test_retention_is_a_multiple_of_the_block_size(tmp_path: Path, value: str) -
 def test_a_card_adds_its_flags_to_every_model(tmp_path: Path) -> None:
     box = load_fleet(with_overrides(tmp_path, {"cards": {"rtx4090": {
         "vllm_args": ["--attention-backend", "FLASHINFER"]}}}))["box"]
-    for model in box["models"].values():
+    for model in box.models.values():
         assert render_unit(box, model).splitlines()[-1].startswith("WantedBy")  # still a unit
         assert "--attention-backend FLASHINFER" in " ".join(
             line.strip(" \\") for line in render_unit(box, model).splitlines())
@@ -326,6 +326,6 @@ def test_a_token_never_goes_to_a_plain_http_hub(tmp_path: Path) -> None:
     box = load_fleet(with_overrides(tmp_path, {
         "hf_endpoint": "http://10.213.0.1:8089",
         "hf_endpoint_plain_http_test_standin": True}))["box"]
-    assert box["hf_endpoint"] == "http://10.213.0.1:8089"
+    assert box.hf_endpoint == "http://10.213.0.1:8089"
     box = load_fleet(with_overrides(tmp_path, {"hf_token_file": str(token)}))["box"]
-    assert box["hf_endpoint"].startswith("https://")
+    assert box.hf_endpoint.startswith("https://")

@@ -16,6 +16,7 @@ import pytest
 
 from donorkit.fleet import DONORS_FILE, load_fleet, load_inventory
 from donorkit.render import render_caddyfile, render_host, render_unit, write_tree
+from tests.unit.host_edit import children, get, put
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 DISTRO_CADDY = "/usr/bin/caddy"
@@ -44,8 +45,9 @@ def caddy_or_skip(binary: str) -> str:
 def box(tmp_path: Path) -> dict:
     """The shipped hermes-4090 box, with its TLS files and log under tmp_path."""
     data = load_fleet(DONORS_FILE)["hermes-4090"]
-    return dict(data, caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
-                caddy_access_log=str(tmp_path / "log" / "access.log"))
+    return data.model_copy(update=dict(
+        caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
+                caddy_access_log=str(tmp_path / "log" / "access.log")))
 
 
 @pytest.fixture
@@ -53,8 +55,9 @@ def two_model_box(tmp_path: Path) -> dict:
     path = tmp_path / "donors.yml"
     path.write_text(TWO_MODELS)
     data = load_fleet(path)["both"]
-    return dict(data, caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
-                caddy_access_log=str(tmp_path / "log" / "access.log"))
+    return data.model_copy(update=dict(
+        caddy_tls_dir=str(tmp_path / "tls"), pki_dir=str(tmp_path / "pki"),
+                caddy_access_log=str(tmp_path / "log" / "access.log")))
 
 
 def lay_out(data: dict, root: Path) -> Path:
@@ -67,7 +70,7 @@ def lay_out(data: dict, root: Path) -> Path:
         else:
             on_box.append(item)
     write_tree(on_box, root)
-    Path(data["caddy_access_log"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(data.caddy_access_log).parent.mkdir(parents=True, exist_ok=True)
     return root / "etc/caddy/Caddyfile"
 
 
@@ -90,19 +93,19 @@ def fake_vllm(tmp_path: Path) -> str:
 @pytest.mark.parametrize("donor", ["hermes-4090", "qwen-3090"])
 def test_rendered_units_pass_systemd_analyze_verify(tmp_path: Path, donor: str) -> None:
     data = load_fleet(DONORS_FILE)[donor]
-    data["vllm_executable"] = fake_vllm(tmp_path)
-    for model in data["models"].values():
-        assert systemd_verify(render_unit(data, model), tmp_path, model["unit"]) == "rc=0"
+    data = data.model_copy(update={"vllm_executable": fake_vllm(tmp_path)})
+    for model in data.models.values():
+        assert systemd_verify(render_unit(data, model), tmp_path, model.unit) == "rc=0"
 
 
 def test_systemd_analyze_catches_a_broken_unit(tmp_path: Path, box: dict) -> None:
-    box["vllm_executable"] = fake_vllm(tmp_path)
-    text = render_unit(box, box["models"]["qwen"]).replace("User=", "Usr=")
+    box = box.model_copy(update={"vllm_executable": fake_vllm(tmp_path)})
+    text = render_unit(box, box.models["qwen"]).replace("User=", "Usr=")
     assert "Unknown key 'Usr'" in systemd_verify(text, tmp_path)
 
 
 def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None:
-    text = render_unit(box, box["models"]["qwen"])
+    text = render_unit(box, box.models["qwen"])
     for line in ("User=fox", "Environment=CUDA_HOME=/usr/local/cuda-13.3",
                  "Environment=PATH=/opt/uncloseai/vllm-venv/bin:/usr/local/cuda-13.3/bin:"
                  "/usr/local/cuda-13.3/nvvm/bin:/usr/bin:/bin",
@@ -127,16 +130,16 @@ def test_only_the_qwen_unit_carries_prefix_cache_retention(tmp_path: Path) -> No
     attention: no sliding-window or Mamba KV cache group), so the Hermes unit has none."""
     (tmp_path / "donors.yml").write_text(TWO_MODELS)
     data = load_fleet(tmp_path / "donors.yml")["both"]
-    hermes = render_unit(data, data["models"]["hermes"]).splitlines()
-    qwen = render_unit(data, data["models"]["qwen"]).splitlines()
+    hermes = render_unit(data, data.models["hermes"]).splitlines()
+    qwen = render_unit(data, data.models["qwen"]).splitlines()
     assert not [line for line in hermes if "VLLM_PREFIX_CACHE_RETENTION_INTERVAL" in line]
     assert "Environment=VLLM_PREFIX_CACHE_RETENTION_INTERVAL=6400" in qwen
 
 
 def test_json_arguments_are_one_quoted_word(tmp_path: Path, box: dict) -> None:
-    model = dict(box["models"]["qwen"],
-                 args=["--override-generation-config", '{"temperature": 0.7}'])
-    box["vllm_executable"] = fake_vllm(tmp_path)
+    model = box.models["qwen"].model_copy(update=dict(
+        args=["--override-generation-config", '{"temperature": 0.7}']))
+    box = box.model_copy(update={"vllm_executable": fake_vllm(tmp_path)})
     text = render_unit(box, model)
     assert """--override-generation-config "{\\"temperature\\": 0.7}\"""" in text
     assert systemd_verify(text, tmp_path) == "rc=0"
@@ -319,24 +322,12 @@ INJECTIONS = ["\n}\nevil.example.com:80 {\n\tfile_server\n}\nx {", '" {\n\trespo
 
 def shown_leaves(node: object, text: str, path: tuple = ()) -> list[tuple]:
     """Paths to the strings and ints of host data that the rendered text shows."""
-    if isinstance(node, dict):
-        return [p for k, v in node.items() for p in shown_leaves(v, text, (*path, k))]
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in shown_leaves(v, text, (*path, i))]
+    if children(node):
+        return [p for k, v in children(node) for p in shown_leaves(v, text, (*path, k))]
     if isinstance(node, (str, int)) and not isinstance(node, bool) and len(str(node)) >= 3 \
             and str(node) in text:
         return [path]
     return []
-
-
-def put(data: dict, path: tuple, value: object) -> dict:
-    import copy
-    data = copy.deepcopy(data)
-    node = data
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    return data
 
 
 @pytest.mark.parametrize("host", ["tb-4090", "tb-edge"])
@@ -352,9 +343,7 @@ def test_no_value_writes_caddyfile_or_unit_syntax(tmp_path: Path, host: str) -> 
     outcomes = {"refused": 0, "caddy refused": 0, "quoted": 0}
     for path in leaves:
         for injection in INJECTIONS:
-            original = data
-            for key in path:
-                original = original[key]
+            original = get(data, path)
             bad = put(data, path, f"{original}{injection}")
             try:
                 shape.check_host(bad, tmp_path, reference, reference_text)

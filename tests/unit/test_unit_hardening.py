@@ -29,7 +29,7 @@ def box(tmp_path: Path) -> dict:
     exe = tmp_path / "vllm"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
-    return dict(data, vllm_executable=str(exe), pki_dir=str(tmp_path / "pki"))
+    return data.model_copy(update=dict(vllm_executable=str(exe), pki_dir=str(tmp_path / "pki")))
 
 
 def verify(tmp_path: Path, text: str) -> str:
@@ -54,7 +54,8 @@ def exposure(tmp_path: Path, text: str) -> float:
                                    '{"a": [1, "x y"]}', "é ü ✓", ";", "", "  lead", 'q"q', "$$"])
 def test_hard_words_render_as_one_quoted_word(tmp_path: Path, value: str) -> None:
     data = box(tmp_path)
-    model = dict(data["models"]["qwen"], args=["--x", value], environment={"V": value})
+    model = data.models["qwen"].model_copy(
+        update={"args": ["--x", value], "environment": {"V": value}})
     assert verify(tmp_path, render_unit(data, model)) == "rc=0"
 
 
@@ -75,17 +76,18 @@ def test_quoting_of_the_issue_cases() -> None:
 def test_any_words_give_a_unit_systemd_accepts(tmp_path: Path, args: list[str],
                                                values: list[str]) -> None:
     data = box(tmp_path)
-    model = dict(data["models"]["qwen"], args=["--x", *args],
-                 environment={f"V{i}": v for i, v in enumerate(values)})
+    model = data.models["qwen"].model_copy(update={
+        "args": ["--x", *args], "environment": {f"V{i}": v for i, v in enumerate(values)}})
     assert verify(tmp_path, render_unit(data, model)) == "rc=0"
 
 
 def test_exposure_score_before_and_after(tmp_path: Path) -> None:
     data = box(tmp_path)
-    model = data["models"]["qwen"]
-    seed_only = {k: data["unit_service"][k] for k in
+    model = data.models["qwen"]
+    seed_only = {k: data.unit_service[k] for k in
                  ("TimeoutStartSec", "Restart", "RestartSec", "MemoryMax", "OOMScoreAdjust")}
-    before = exposure(tmp_path, render_unit(dict(data, unit_service=seed_only), model))
+    seed = data.model_copy(update={"unit_service": seed_only})
+    before = exposure(tmp_path, render_unit(seed, model))
     after = exposure(tmp_path, render_unit(data, model))
     print(f"systemd-analyze security exposure: before {before}, after {after}")
     assert before > 9.0
@@ -93,7 +95,7 @@ def test_exposure_score_before_and_after(tmp_path: Path) -> None:
 
 
 def test_the_sandbox_leaves_cuda_its_devices_and_jit(tmp_path: Path) -> None:
-    text = render_unit(box(tmp_path), load_fleet(DONORS_FILE)["hermes-4090"]["models"]["qwen"])
+    text = render_unit(box(tmp_path), load_fleet(DONORS_FILE)["hermes-4090"].models["qwen"])
     keys = {line.split("=", 1)[0] for line in text.splitlines() if "=" in line}
     assert not keys & set(NEVER), keys & set(NEVER)
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ReadWritePaths=/home/fox",
@@ -130,7 +132,7 @@ def test_a_unit_systemd_refuses_never_replaces_the_installed_one(tmp_path: Path)
     from donorkit.render import VERIFY_UNIT
 
     data = box(tmp_path)
-    good = render_unit(data, data["models"]["qwen"])
+    good = render_unit(data, data.models["qwen"])
     dest = tmp_path / "units" / "vllm-qwen.service"
     assert run_config_file(dest, good, VERIFY_UNIT) == 0 and dest.read_text() == good
     for bad in (good.replace("--port 18888", "--port it's"),        # fatal: unbalanced quoting

@@ -61,9 +61,9 @@ MARKER = f"{VENV}/{VENV_BUSY_MARKER}"
 def commands(data: dict, installed: dict[str, str], interrupted: bool = False) -> list[str]:
     """The venv step's commands (`interrupted`: the box has the marker an install that did not
     finish leaves); the marker's making and removal are checked and cut off."""
-    args = {"venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
-            "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-            "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER}
+    args = {"venv_dir": data.venv_dir, "packages": data.venv_requirements,
+            "install": data.venv_install_specs, "install_args": data.venv_index_args,
+            "uv": f"uv=={data.uv_version}", "busy_marker": VENV_BUSY_MARKER}
     busy = {MARKER: {"type": "regular empty file"}} if interrupted else {}
     found, _ = plan(venv_packages, args, {"installed": installed, "busy": busy})
     if found:
@@ -91,7 +91,7 @@ def test_3090_venv_is_converged_only_with_the_cu129_build(tmp_path: Path) -> Non
     assert commands(data, {**stack, "vllm": "0.26.0"}) == [GET_UV + EXPECTED["rtx3090"]]
     assert commands(data, {**stack, "torch": "2.11.0+cu130", "vllm": "0.26.0+cu129"}) == [
         GET_UV + EXPECTED["rtx3090"]]
-    assert data["vllm_installed_version"] == "0.26.0+cu129"
+    assert data.vllm_installed_version == "0.26.0+cu129"
 
 
 def test_an_install_that_did_not_finish_is_done_again(tmp_path: Path) -> None:
@@ -111,9 +111,9 @@ def test_the_marker_is_made_and_removed_in_a_real_shell(tmp_path: Path) -> None:
     and gone after it succeeded; a failing uv leaves it."""
     data = host_data(tmp_path, "rtx4090")
     found, _ = plan(venv_packages, {
-        "venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
-        "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-        "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER},
+        "venv_dir": data.venv_dir, "packages": data.venv_requirements,
+        "install": data.venv_install_specs, "install_args": data.venv_index_args,
+        "uv": f"uv=={data.uv_version}", "busy_marker": VENV_BUSY_MARKER},
         {"installed": {"uv": UV_VERSION}, "busy": {}})
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)

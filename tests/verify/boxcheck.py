@@ -15,6 +15,8 @@ import pytest
 from testinfra.backend.base import CommandResult
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox, ServedModel
+
 # ---------------------------------------------------------------- skip or fail -----------------
 
 
@@ -427,7 +429,7 @@ def listeners(ss_output: str) -> list[tuple[str, int, str]]:
 # ---------------------------------------------------------------- the unit's environment -------
 
 
-def expected_environment(data: dict, model: dict) -> dict[str, str]:
+def expected_environment(data: DonorBox, model: ServedModel) -> dict[str, str]:
     """What the unit's Environment= must be: the inventory's, plus the stack digest where the
     deploy writes one (render.DIGEST_VARIABLE / unit_digest, when donorkit defines them)."""
     from donorkit import render
@@ -438,7 +440,7 @@ def expected_environment(data: dict, model: dict) -> dict[str, str]:
     return env
 
 
-def unit_env(host: Host, data: dict, model: dict) -> tuple[dict[str, str], str]:
+def unit_env(host: Host, data: DonorBox, model: ServedModel) -> tuple[dict[str, str], str]:
     """The environment the model's unit runs with, and where it came from.
 
     With systemd as PID 1: read back from the installed unit (a missing unit fails). Without:
@@ -447,7 +449,7 @@ def unit_env(host: Host, data: dict, model: dict) -> tuple[dict[str, str], str]:
     from donorkit import render
 
     if systemd_booted(host):
-        unit_show(host, model["unit"])
-        return live_unit_environment(host, model["unit"]), f"installed unit {model['unit']}"
+        unit_show(host, model.unit)
+        return live_unit_environment(host, model.unit), f"installed unit {model.unit}"
     env = {k: str(v) for k, v in render.unit_environment(data, model).items()}
     return env, "render.unit_environment (systemd is not PID 1 here: no unit to read back)"

@@ -41,6 +41,7 @@ from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
 from donorkit.fleet import FleetError, load_inventory
+from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.limit import LimitError, select
 
 CONNECT_TIMEOUT_S = 10
@@ -71,7 +72,7 @@ def _option(config: pytest.Config, name: str, default: object = None) -> object:
         return default
 
 
-def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
+def _select(config: pytest.Config) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """({donor: host data}, {edge: host data}) to verify, loaded once per process (no
     connection)."""
     cached = getattr(config, "_verify_selection", None)
@@ -98,12 +99,12 @@ def _select(config: pytest.Config) -> tuple[dict[str, dict], dict[str, dict]]:
     return config._verify_selection  # type: ignore[attr-defined]
 
 
-def selected_donors(config: pytest.Config) -> dict[str, dict]:
+def selected_donors(config: pytest.Config) -> dict[str, DonorBox]:
     """{name: host data} of the donors to verify."""
     return _select(config)[0]
 
 
-def selected_edges(config: pytest.Config) -> dict[str, dict]:
+def selected_edges(config: pytest.Config) -> dict[str, EdgeBox]:
     """{name: host data} of the edges to verify."""
     return _select(config)[1]
 
@@ -127,7 +128,7 @@ def _probe(config: pytest.Config) -> dict[str, str]:
     if not boxes:
         return {}
 
-    def why(data: dict) -> str | None:
+    def why(data: DonorBox | EdgeBox) -> str | None:
         box = make_host(data, False, _option(config, "known_hosts"),
                         bool(_option(config, "accept_unknown_host_keys", False)))
         try:
@@ -175,8 +176,8 @@ def pytest_configure_node(node) -> None:
 def _unreachable_lines(config: pytest.Config) -> list[str]:
     fleet, edges = load_inventory(_option(config, "donors"))
     hosts = {**fleet, **edges}
-    return [f"{name} ({hosts[name]['ssh_user']}@{hosts[name]['ssh_hostname']}:"
-            f"{hosts[name]['ssh_port']}): {why}" for name, why in _unreachable(config).items()]
+    return [f"{name} ({hosts[name].ssh_user}@{hosts[name].ssh_hostname}:"
+            f"{hosts[name].ssh_port}): {why}" for name, why in _unreachable(config).items()]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -203,15 +204,15 @@ def _axes(fixturenames: list[str]) -> tuple[str, ...]:
     return ("donor",)
 
 
-def _cases(data: dict, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+def _cases(data: DonorBox, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The parameter tuples one donor contributes for a test with these axes."""
-    name = data["donor_name"]
+    name = data.donor_name
     if "route" in axes:
-        return [(name, r["hostname"]) for r in data["routes"]]
+        return [(name, r.hostname) for r in data.routes]
     if "setting" in axes:
-        return [(name, m, key) for m in data["models"] for key in data["unit_service"]]
+        return [(name, m, key) for m in data.models for key in data.unit_service]
     if "model" in axes:
-        return [(name, m) for m in data["models"]]
+        return [(name, m) for m in data.models]
     return [(name,)]
 
 
@@ -221,12 +222,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "edge" in metafunc.fixturenames:
         edges = selected_edges(metafunc.config).values()
         if "upstream" in metafunc.fixturenames:
-            cases = [(e["edge_name"], s["hostname"], u["donor"]) for e in edges
-                     for s in e["sites"] for u in s["upstreams"]]
+            cases = [(e.edge_name, s.hostname, u.donor) for e in edges
+                     for s in e.sites for u in s.upstreams]
             metafunc.parametrize(("edge", "site", "upstream"), cases,
                                  ids=[":".join(c) for c in cases])
         else:
-            names = [e["edge_name"] for e in edges]
+            names = [e.edge_name for e in edges]
             metafunc.parametrize("edge", names, ids=names)
         return
     if "donor" not in metafunc.fixturenames:
@@ -263,19 +264,19 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         return client
 
 
-def make_host(data: dict, on_box: bool, known_hosts: str | None = None,
+def make_host(data: DonorBox | EdgeBox, on_box: bool, known_hosts: str | None = None,
               accept_unknown: bool = False) -> Host:
     """A testinfra Host for one donor; nothing connects until the first command."""
     if on_box:
         return Host(LocalBackend(sudo=os.geteuid() != 0))
-    address = data["ssh_hostname"]
+    address = data.ssh_hostname
     address = f"[{address}]" if ":" in address else address
     backend = KnownHostsParamikoBackend(
-        f"{data['ssh_user']}@{address}:{data['ssh_port']}",
-        known_hosts=known_hosts or data.get("ssh_known_hosts_file"),
+        f"{data.ssh_user}@{address}:{data.ssh_port}",
+        known_hosts=known_hosts or data.ssh_known_hosts_file,
         accept_unknown=accept_unknown,
-        ssh_identity_file=data.get("ssh_key"), timeout=CONNECT_TIMEOUT_S,
-        sudo=bool(data.get("_sudo")))
+        ssh_identity_file=data.ssh_key, timeout=CONNECT_TIMEOUT_S,
+        sudo=data.sudo)
     return Host(backend)
 
 
@@ -283,31 +284,31 @@ _HOSTS: dict[str, Host | str] = {}
 
 
 @pytest.fixture
-def data(donor: str, request: pytest.FixtureRequest) -> dict:
+def data(donor: str, request: pytest.FixtureRequest) -> DonorBox:
     """The donor's host data, exactly as the deploy sees it."""
     return selected_donors(request.config)[donor]
 
 
 @pytest.fixture
-def host(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+def host(donor: str, data: DonorBox, request: pytest.FixtureRequest) -> Host:
     """The donor's box, connected once per process; an unreachable box errors every check once
     (the failure is remembered, so a dead host costs one timeout, not one per test)."""
     return connected(donor, data, request)
 
 
 @pytest.fixture
-def edge_data(edge: str, request: pytest.FixtureRequest) -> dict:
+def edge_data(edge: str, request: pytest.FixtureRequest) -> EdgeBox:
     """The edge's host data, exactly as the deploy sees it."""
     return selected_edges(request.config)[edge]
 
 
 @pytest.fixture
-def edge_host(edge: str, edge_data: dict, request: pytest.FixtureRequest) -> Host:
+def edge_host(edge: str, edge_data: EdgeBox, request: pytest.FixtureRequest) -> Host:
     """The edge's box, connected once per process (as `host` for a donor)."""
     return connected(edge, edge_data, request)
 
 
-def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
+def connected(donor: str, data: DonorBox | EdgeBox, request: pytest.FixtureRequest) -> Host:
     """A box (donor or edge) by name, connected once per process."""
     if donor not in _HOSTS:
         box = make_host(data, bool(_option(request.config, "on_box")),
@@ -320,22 +321,22 @@ def connected(donor: str, data: dict, request: pytest.FixtureRequest) -> Host:
             _HOSTS[donor] = f"{type(exc).__name__}: {exc}"
     box = _HOSTS[donor]
     if isinstance(box, str):
-        where = f"{data['ssh_user']}@{data['ssh_hostname']}:{data['ssh_port']}"
+        where = f"{data.ssh_user}@{data.ssh_hostname}:{data.ssh_port}"
         pytest.fail(f"cannot run commands on {donor} ({where}): {box}", pytrace=False)
     return box
 
 
 @pytest.fixture
-def m(data: dict, model: str) -> dict:
+def m(data: DonorBox, model: str) -> ServedModel:
     """The model profile of one unit on this donor."""
-    return data["models"][model]
+    return data.models[model]
 
 
 @pytest.fixture
-def route_model(data: dict, route: str) -> dict:
+def route_model(data: DonorBox, route: str) -> ServedModel:
     """The model profile a public hostname routes to."""
-    name = next(r["model"] for r in data["routes"] if r["hostname"] == route)
-    return data["models"][name]
+    name = next(r.model for r in data.routes if r.hostname == route)
+    return data.models[name]
 
 
 # Checks of what only a CUDA engine has (toolkit, JIT, exllamav3, plugin, GPU, driver); a card
@@ -354,7 +355,7 @@ def _cuda_only(request: pytest.FixtureRequest) -> None:
         return
     data = selected_donors(request.config)[request.getfixturevalue("donor")]
     name = request.node.originalname
-    if data["card"].engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
+    if data.card.engine == "cpu" and (request.path.name in CUDA_ONLY_MODULES
                                             or name in CUDA_ONLY_TESTS):
-        pytest.skip(f"card profile '{data['card'].name}' is vLLM's CPU engine: no CUDA, "
+        pytest.skip(f"card profile '{data.card.name}' is vLLM's CPU engine: no CUDA, "
                     "exllamav3, plugin or GPU")

@@ -7,15 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from donorkit import transport
+from donorkit.host_data import DonorBox
 from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
 
 
-def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
+def edge_client_pair(data: DonorBox) -> tuple[Path, Path] | None:
     """The client certificate and key, in this machine's PKI folder, of an edge the donor trusts
     (a current edge: fleet.py's `trusted_clients`, less the operator's own, OPERATOR_CLIENT,
     which a donor gives more: /metrics), or None."""
-    for name in data["trusted_clients"]:
+    for name in data.trusted_clients:
         if name == OPERATOR_CLIENT:
             continue
         cert, key = transport.edge_client_pair(data, name)
@@ -24,13 +25,13 @@ def edge_client_pair(data: dict) -> tuple[Path, Path] | None:
     return None
 
 
-def operator_client_pair(data: dict) -> tuple[Path, Path]:
+def operator_client_pair(data: DonorBox) -> tuple[Path, Path]:
     """The operator's own client certificate and key (issued here if missing, as `make accept`
     does)."""
     return Pki(pki_dir(data)).client_pair(OPERATOR_CLIENT)
 
 
-def ca_file(data: dict) -> Path | None:
+def ca_file(data: DonorBox) -> Path | None:
     ca = transport.ca_file(data)
     return ca if ca.is_file() else None
 

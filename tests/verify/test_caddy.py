@@ -11,6 +11,7 @@ from boxcheck import loggers_for_host, missing, need_systemd, reverse_proxies, r
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.host_data import DonorBox, ServedModel
 from donorkit.paths import pki_dir
 from donorkit.values import duration_ns
 
@@ -57,7 +58,7 @@ def _adapted(host: Host) -> dict:
     return cached
 
 
-def test_caddyfile_is_rendered(host: Host, data: dict) -> None:
+def test_caddyfile_is_rendered(host: Host, data: DonorBox) -> None:
     live = host.file(_caddyfile(host)).content_string
     want = render.render_caddyfile(data)
     diff = "".join(difflib.unified_diff(want.splitlines(True), live.splitlines(True),
@@ -72,7 +73,7 @@ def test_caddy_validate(host: Host) -> None:
     assert result.rc == 0, f"`{command}` failed:\n{result.stderr.strip()[-2000:]}"
 
 
-def test_proxy_transport(host: Host, data: dict) -> None:
+def test_proxy_transport(host: Host, data: DonorBox) -> None:
     """keepalive off (a pooled half-open connection drops a POST silently) and the timeouts."""
     proxies = reverse_proxies(_adapted(host))
     assert proxies, "the adapted config has no reverse_proxy"
@@ -81,35 +82,35 @@ def test_proxy_transport(host: Host, data: dict) -> None:
         where = f"reverse_proxy to {[u.get('dial') for u in proxy.get('upstreams', [])]}"
         assert transport.get("keep_alive", {}).get("enabled") is False, f"{where}: keep-alive on"
         assert "dial_timeout" in transport, f"{where}: no dial_timeout"
-        assert _duration_s(transport["dial_timeout"]) == _duration_s(data["caddy_dial_timeout"])
+        assert _duration_s(transport["dial_timeout"]) == _duration_s(data.caddy_dial_timeout)
         assert "response_header_timeout" in transport, f"{where}: no response_header_timeout"
         assert _duration_s(transport["response_header_timeout"]) == _duration_s(
-            data["caddy_response_header_timeout"])
+            data.caddy_response_header_timeout)
 
 
-def test_route_upstream_is_its_model(host: Host, route: str, route_model: dict) -> None:
+def test_route_upstream_is_its_model(host: Host, route: str, route_model: ServedModel) -> None:
     routes = routes_for_host(_adapted(host), route)
     assert routes, f"no site for {route} in the adapted config"
     dials = sorted({u.get("dial") for r in routes for p in reverse_proxies(r)
                     for u in p.get("upstreams", [])})
-    assert dials == [f"127.0.0.1:{route_model['port']}"], f"{route} proxies to {dials}"
+    assert dials == [f"127.0.0.1:{route_model.port}"], f"{route} proxies to {dials}"
 
 
-def test_route_listens_on_public_port(host: Host, data: dict, route: str) -> None:
+def test_route_listens_on_public_port(host: Host, data: DonorBox, route: str) -> None:
     config = _adapted(host)
     servers = config.get("apps", {}).get("http", {}).get("servers", {}).values()
     listen = [a for s in servers if any(routes_for_host({"apps": {"http": {"servers": {"s": s}}}},
                                                         route)) for a in s.get("listen", [])]
-    assert f":{data['caddy_https_port']}" in listen, f"{route} is served on {listen}"
+    assert f":{data.caddy_https_port}" in listen, f"{route} is served on {listen}"
 
 
-def test_access_log_scrubbed(host: Host, data: dict, route: str) -> None:
+def test_access_log_scrubbed(host: Host, data: DonorBox, route: str) -> None:
     loggers = loggers_for_host(_adapted(host), route)
     assert loggers, f"{route} has no access log"
     for log in loggers:
-        assert log.get("writer", {}).get("filename") == data["caddy_access_log"], log
+        assert log.get("writer", {}).get("filename") == data.caddy_access_log, log
         fields = log.get("encoder", {}).get("fields", {})
-        for header in data["caddy_log_scrubbed_headers"]:
+        for header in data.caddy_log_scrubbed_headers:
             field = fields.get(f"request>headers>{header}", {})
             assert field.get("filter") == "delete", f"{route}: {header} is not deleted from logs"
         uri = fields.get("request>uri", {})
@@ -117,10 +118,10 @@ def test_access_log_scrubbed(host: Host, data: dict, route: str) -> None:
             "regexp", "=[^&]*", "=REDACTED"), f"{route}: query values are logged: {uri}"
 
 
-def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: dict) -> None:
+def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: DonorBox) -> None:
     """No TCP admin port a local user could load a config through; the socket's directory is
     caddy's, 0750; the service user cannot reach it; `systemctl reload caddy` goes through it."""
-    socket = data["caddy_admin_socket"]
+    socket = data.caddy_admin_socket
     assert _adapted(host).get("admin", {}).get("listen") == f"unix/{socket}"
     need_systemd(host, "Caddy's running admin socket")
     directory = host.file(socket.rsplit("/", 1)[0])
@@ -130,16 +131,16 @@ def test_admin_api_on_a_socket_only_root_and_caddy_use(host: Host, data: dict) -
         f"{directory.path} is {directory.user}:{directory.group} {oct(directory.mode)}")
     assert host.file(socket).is_socket, f"{socket} is not a socket"
     tcp = [line for line in host.check_output("ss -ltnpH").splitlines()
-           if '"caddy"' in line and f":{data['caddy_https_port']} " not in line]
+           if '"caddy"' in line and f":{data.caddy_https_port} " not in line]
     assert not tcp, f"caddy listens on more than its public port: {tcp}"
-    user = data["service_user"]
+    user = data.service_user
     denied = host.run("runuser -u %s -- test -w %s", user, socket)
     assert denied.rc != 0, f"{user} can write to {socket}"
     reload = host.run("systemctl reload caddy")
     assert reload.rc == 0, f"systemctl reload caddy failed: {reload.stderr}"
 
 
-def test_tls_certificate(host: Host, data: dict) -> None:
+def test_tls_certificate(host: Host, data: DonorBox) -> None:
     """The box's pair from our private CA (the edge verifies it), naming every routed hostname."""
     from cryptography import x509
 
@@ -151,14 +152,14 @@ def test_tls_certificate(host: Host, data: dict) -> None:
     cert = x509.load_pem_x509_certificate(host.file(cert_path).content)
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     names = sorted(sans.get_values_for_type(x509.DNSName))
-    assert names == sorted(r["hostname"] for r in data["routes"]), f"certificate names {names}"
+    assert names == sorted(r.hostname for r in data.routes), f"certificate names {names}"
     ca_path = pki_dir(data) / "ca.crt"
     if not ca_path.is_file():
         pytest.skip(f"certificate names are right; no {ca_path} here to check who issued it")
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_path.read_bytes()))
 
 
-def test_box_is_not_drained_from_the_edges(host: Host, data: dict) -> None:
+def test_box_is_not_drained_from_the_edges(host: Host, data: DonorBox) -> None:
     """The rolling rollout's drain flag is gone (every successful deploy removes it): while it
     exists the box's Caddy fails every edge's health check, so no edge sends it traffic (a
     rollout that stopped at this box leaves it; `make rollout FROM=<box>` or a deploy of it

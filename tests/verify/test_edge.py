@@ -15,10 +15,11 @@ from boxcheck import missing
 from testinfra.host import Host
 
 from donorkit import render
+from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import pki_dir
 
 
-def _on_box_ca(host: Host, data: dict) -> str:
+def _on_box_ca(host: Host, data: DonorBox) -> str:
     """A shell prefix that writes our CA (from this machine) to $ca on the box, or uses -k."""
     ca = pki_dir(data) / "ca.crt"
     text = ca.read_text() if ca.is_file() else ""
@@ -26,7 +27,7 @@ def _on_box_ca(host: Host, data: dict) -> str:
             "> \"$ca\"; ") + ("verify=--cacert; " if text else "verify=-k; ca=; ")
 
 
-def test_edge_caddyfile_is_rendered(edge_host: Host, edge_data: dict) -> None:
+def test_edge_caddyfile_is_rendered(edge_host: Host, edge_data: EdgeBox) -> None:
     path = render.CADDYFILE
     if not edge_host.file(path).exists:
         missing(edge_host, f"{path} does not exist")
@@ -46,15 +47,15 @@ def test_edge_caddy_validate(edge_host: Host) -> None:
     assert result.rc == 0, f"`{command}` failed:\n{result.stderr.strip()[-2000:]}"
 
 
-def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
+def test_edge_tls_files(edge_host: Host, edge_data: EdgeBox) -> None:
     """Our CA, the edge's client pair (and its public pair with private_ca): present, the keys
     0640 root:caddy, and each the operator's own file (same bytes as in pki_dir)."""
     paths = render.edge_paths(edge_data)
     wanted = ["ca", "client_cert", "client_key"]
-    if edge_data["public_tls"] == "private_ca":
+    if edge_data.public_tls == "private_ca":
         wanted += ["public_cert", "public_key"]
     pki = pki_dir(edge_data)
-    name = edge_data["edge_name"]
+    name = edge_data.edge_name
     local = {"ca": pki / "ca.crt", "client_cert": pki / "edges" / f"{name}.crt",
              "client_key": pki / "edges" / f"{name}.key",
              "public_cert": pki / "hosts" / f"{name}.crt",
@@ -94,7 +95,7 @@ def test_edge_tls_files(edge_host: Host, edge_data: dict) -> None:
             x509.load_pem_x509_certificate(client_ca.read_bytes()))
 
 
-def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_data: dict,
+def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_data: EdgeBox,
                                                        site: str, upstream: str) -> None:
     """From the edge, as its Caddy does: TLS to the donor verified against our CA, the public
     hostname as SNI and Host, the edge's client certificate; /v1/models lists the checkpoint
@@ -103,13 +104,13 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
     if not edge_host.exists("curl"):
         missing(edge_host, "curl is not installed")
     paths = render.edge_paths(edge_data)
-    entry = next(s for s in edge_data["sites"] if s["hostname"] == site)
-    address = next(u["address"] for u in entry["upstreams"] if u["donor"] == upstream)
+    entry = next(s for s in edge_data.sites if s.hostname == site)
+    address = next(u.address for u in entry.upstreams if u.donor == upstream)
     ip, _, port = address.rpartition(":")
     command = (f"curl -sS -m 20 -o /dev/stdout -w '\\n%{{http_code}}' --cacert {paths['ca']} "
                f"--cert {paths['client_cert']} --key {paths['client_key']} "
                f"--resolve {site}:{port}:{ip.strip('[]')} "
-               f"https://{site}:{port}{edge_data['edge_proxy']['health_uri']}")
+               f"https://{site}:{port}{edge_data.edge_proxy.health_uri}")
     result = edge_host.run(command)
     assert result.rc == 0, f"{upstream} ({address}) for {site}: {result.stderr.strip()}"
     body, _, code = result.stdout.rpartition("\n")
@@ -120,14 +121,14 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
     assert [m["id"] for m in json.loads(body)["data"]] == [entry["checkpoint"]]
 
 
-def test_donor_refuses_a_client_without_certificate(host: Host, data: dict,
+def test_donor_refuses_a_client_without_certificate(host: Host, data: DonorBox,
                                                     route: str) -> None:
     """Straight to the donor's Caddy with the public hostname, no client certificate: the TLS
     handshake fails and curl never gets an HTTP status. Which error curl reports depends on when
     the server's alert lands (TLS 1.3 asks for the certificate after the handshake): 35 (handshake),
     55 (send: the server already closed) or 56 (receive: "alert bad certificate"); all three seen
     against Caddy 2.6.2 from one client, 55 the most often."""
-    port = data["caddy_https_port"]
+    port = data.caddy_https_port
     script = (_on_box_ca(host, data) + f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' "
               f"$verify $ca --resolve {route}:{port}:127.0.0.1 https://{route}:{port}/v1/models")
     result = host.run("/bin/sh -c %s", script)

@@ -16,6 +16,8 @@ from boxcheck import (
 )
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox, ServedModel
+
 KERNEL = r"""
 #include <cuda_runtime.h>
 __global__ void preflight(int *out) { *out = 42; }
@@ -45,27 +47,27 @@ echo PREFLIGHT-OK
 """
 
 
-def test_jit_compile_as_service_user(host: Host, data: dict, m: dict) -> None:
+def test_jit_compile_as_service_user(host: Host, data: DonorBox, m: ServedModel) -> None:
     env, source = unit_env(host, data, m)
     print(f"environment from {source}")
-    user = data["service_user"]
+    user = data.service_user
     home = user_home(host, user)
-    script = SCRIPT.format(kernel=KERNEL.strip(), arch=sm(data["card"].arch))
+    script = SCRIPT.format(kernel=KERNEL.strip(), arch=sm(data.card.arch))
     if systemd_booted(host):
-        sandbox = unit_sandbox(host, m["unit"])
-        assert f"User={user}" in sandbox, f"{m['unit']} does not run as {user}: {sandbox}"
-        command, where = in_unit_sandbox(sandbox, env, script), f"the sandbox of {m['unit']}"
+        sandbox = unit_sandbox(host, m.unit)
+        assert f"User={user}" in sandbox, f"{m.unit} does not run as {user}: {sandbox}"
+        command, where = in_unit_sandbox(sandbox, env, script), f"the sandbox of {m.unit}"
     else:  # no systemd to confine it (the lent GPU box): the service user's plain shell
         command, where = as_user(user, home, env, script), f"a shell of {user}"
     result = host.run(command)
     assert result.rc == 0 and "PREFLIGHT-OK" in result.stdout, (
-        f"nvcc -arch={sm(data['card'].arch)} ... -lcudart in {where}, with the environment "
+        f"nvcc -arch={sm(data.card.arch)} ... -lcudart in {where}, with the environment "
         f"of {source}, failed (rc {result.rc}):\n{result.stdout}\n{result.stderr}")
 
 
-def test_service_user_home_writable(host: Host, data: dict) -> None:
+def test_service_user_home_writable(host: Host, data: DonorBox) -> None:
     """FlashInfer's JIT cache lives under the service user's home."""
-    user = data["service_user"]
+    user = data.service_user
     home = user_home(host, user)
     result = host.run(f"runuser -u {user} -- test -d {home} -a -w {home}")
     if result.rc != 0:

@@ -8,6 +8,8 @@ import pytest
 from boxcheck import listeners, missing
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox, ServedModel
+
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
@@ -41,17 +43,17 @@ def _is_loopback(address: str) -> bool:
     return str(ip) in LOOPBACK
 
 
-def test_vllm_port_loopback_only(host: Host, m: dict) -> None:
-    addresses = _tcp_listeners(host, m["port"])
+def test_vllm_port_loopback_only(host: Host, m: ServedModel) -> None:
+    addresses = _tcp_listeners(host, m.port)
     if not addresses:
-        pytest.fail(f"nothing listens on port {m['port']} ({m['unit']} not running?)",
+        pytest.fail(f"nothing listens on port {m.port} ({m.unit} not running?)",
                     pytrace=False)
     public = [a for a in addresses if not _is_loopback(a)]
-    assert not public, f"port {m['port']} ({m['name']}) is bound on {public}: not loopback only"
+    assert not public, f"port {m.port} ({m.name}) is bound on {public}: not loopback only"
 
 
-def test_only_caddy_on_public_port(host: Host, data: dict) -> None:
-    port = data["caddy_https_port"]
+def test_only_caddy_on_public_port(host: Host, data: DonorBox) -> None:
+    port = data.caddy_https_port
     _need_ss(host)
     out = host.check_output("ss -ltnpH")
     on_port = [(a, p, procs) for a, p, procs in listeners(out) if p == port]

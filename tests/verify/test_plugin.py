@@ -5,6 +5,8 @@ from __future__ import annotations
 from boxcheck import missing, venv_json
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox
+
 # vLLM loads plugins through this entry point group.
 GROUP = "vllm.general_plugins"
 
@@ -30,28 +32,28 @@ print(json.dumps(out))
 """
 
 
-def _plugin(host: Host, data: dict) -> dict:
-    dist = data["vllm_exl3_plugin_dist"]
-    found = venv_json(host, data["venv_dir"], INSPECT.replace("{dist!r}", repr(dist)),
+def _plugin(host: Host, data: DonorBox) -> dict:
+    dist = data.vllm_exl3_plugin_dist
+    found = venv_json(host, data.venv_dir, INSPECT.replace("{dist!r}", repr(dist)),
                       f"inspect {dist}")
     if found["found"] == 0:
-        missing(host, f"no distribution named {dist} in {data['venv_dir']}")
+        missing(host, f"no distribution named {dist} in {data.venv_dir}")
     assert found["found"] == 1, f"{found['found']} distributions named {dist} in the venv"
     return found
 
 
-def test_plugin_installed_editable(host: Host, data: dict) -> None:
-    dist = data["vllm_exl3_plugin_dist"]
+def test_plugin_installed_editable(host: Host, data: DonorBox) -> None:
+    dist = data.vllm_exl3_plugin_dist
     direct = _plugin(host, data)["direct_url"]
     assert direct, f"{dist} has no direct_url.json: not installed from a directory"
     assert direct.get("dir_info", {}).get("editable") is True, (
         f"{dist} is not an editable install: {direct}")
-    assert direct.get("url") == f"file://{data['vllm_exl3_plugin_dir']}", (
-        f"{dist} is installed from {direct.get('url')}, not {data['vllm_exl3_plugin_dir']}")
+    assert direct.get("url") == f"file://{data.vllm_exl3_plugin_dir}", (
+        f"{dist} is installed from {direct.get('url')}, not {data.vllm_exl3_plugin_dir}")
 
 
-def test_plugin_entry_point_loads(host: Host, data: dict) -> None:
+def test_plugin_entry_point_loads(host: Host, data: DonorBox) -> None:
     found = _plugin(host, data)
     assert found["entry_points"], (
-        f"{data['vllm_exl3_plugin_dist']} declares no {GROUP} entry point")
+        f"{data.vllm_exl3_plugin_dist} declares no {GROUP} entry point")
     assert not found["errors"], "entry point(s) failed to load:\n" + "\n".join(found["errors"])

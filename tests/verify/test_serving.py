@@ -10,50 +10,54 @@ import mtls
 import pytest
 from testinfra.host import Host
 
+from donorkit.host_data import DonorBox, ServedModel
 
-def _ready(host: Host, model: dict) -> None:
+
+def _ready(host: Host, model: ServedModel) -> None:
     """vLLM opens its port before the model is loaded: ready means /health == 200. A model that
     is not ready fails the check with the reason (a deployed box serves its models)."""
-    url = f"http://127.0.0.1:{model['port']}/health"
+    url = f"http://127.0.0.1:{model.port}/health"
     code = host.run("curl -s -o /dev/null -m 5 -w '%%{http_code}' %s", url).stdout.strip()
     if code != "200":
-        pytest.fail(f"{model['name']} is not serving: GET {url} answered {code or 'nothing'}",
+        pytest.fail(f"{model.name} is not serving: GET {url} answered {code or 'nothing'}",
                     pytrace=False)
 
 
-def _trusted_client(data: dict) -> tuple:
+def _trusted_client(data: DonorBox) -> tuple:
     """A client certificate the donor trusts: an edge's where the inventory has edges, else the
     operator's own (the only one a donor without edges trusts)."""
     return mtls.edge_client_pair(data) or mtls.operator_client_pair(data)
 
 
-def _through_caddy(data: dict, hostname: str, path: str, client: tuple) -> tuple[int, str]:
+def _through_caddy(data: DonorBox, hostname: str, path: str, client: tuple) -> tuple[int, str]:
     """GET https://hostname:port/path at the box's address via its Caddy, verified against our
     CA, with `client`'s certificate."""
     try:
-        return mtls.get(data["ssh_hostname"], data["caddy_https_port"], hostname, path,
+        return mtls.get(data.ssh_hostname, data.caddy_https_port, hostname, path,
                         mtls.ca_file(data), client)
     except OSError as exc:
-        pytest.fail(f"GET {path} via {hostname} at {data['ssh_hostname']}: {exc}",
+        pytest.fail(f"GET {path} via {hostname} at {data.ssh_hostname}: {exc}",
                     pytrace=False)
 
 
-def test_models_through_caddy(host: Host, data: dict, route: str, route_model: dict) -> None:
+def test_models_through_caddy(host: Host, data: DonorBox, route: str,
+                              route_model: ServedModel) -> None:
     _ready(host, route_model)
     code, body = _through_caddy(data, route, "/v1/models", _trusted_client(data))
     assert code == 200, f"/v1/models via {route}: HTTP {code} {body[:200]}"
-    listed = [(e.get("id"), e.get("max_model_len")) for e in json.loads(body)["data"]]
-    assert listed == [(route_model["checkpoint"], route_model["max_model_len"])], listed
+    listed = [(e.get("id"), e["max_model_len"]) for e in json.loads(body)["data"]]
+    assert listed == [(route_model.checkpoint, route_model.max_model_len)], listed
 
 
-def test_version_through_caddy(host: Host, data: dict, route: str, route_model: dict) -> None:
+def test_version_through_caddy(host: Host, data: DonorBox, route: str,
+                               route_model: ServedModel) -> None:
     _ready(host, route_model)
     code, body = _through_caddy(data, route, "/version", _trusted_client(data))
     assert code == 200, f"/version via {route}: HTTP {code} {body[:200]}"
 
 
-def test_metrics_through_caddy_for_the_operator_only(host: Host, data: dict, route: str,
-                                                    route_model: dict) -> None:
+def test_metrics_through_caddy_for_the_operator_only(host: Host, data: DonorBox, route: str,
+                                                    route_model: ServedModel) -> None:
     """vLLM's /metrics is the operator's (issue 21, hole 8): through the donor's Caddy an edge's
     client certificate gets Caddy's own 404 (empty body, vLLM never asked), the operator's own
     certificate gets the metrics."""
