@@ -169,9 +169,9 @@ def test_a_changed_set_removes_the_kernels_shipped_for_the_old_one(tmp_path: Pat
     from donorkit.kernel_cache import FLASHINFER_AOT
 
     data = host_data(tmp_path, "rtx4090")
-    args = {"venv_dir": data["venv_dir"], "packages": data["venv_requirements"],
-            "install": data["venv_install_specs"], "install_args": data["venv_index_args"],
-            "uv": f"uv=={data['uv_version']}", "busy_marker": VENV_BUSY_MARKER,
+    args = {"venv_dir": data.venv_dir, "packages": data.venv_requirements,
+            "install": data.venv_install_specs, "install_args": data.venv_index_args,
+            "uv": f"uv=={data.uv_version}", "busy_marker": VENV_BUSY_MARKER,
             "stale_on_change": [FLASHINFER_AOT]}
     venv = tmp_path / "venv"
     kernel = venv / "lib/python3.12/site-packages/flashinfer/data/aot/k/k.so"
