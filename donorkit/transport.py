@@ -79,6 +79,17 @@ def edge_client_pair(data: dict, edge: str) -> tuple[Path, Path]:
     return edges / f"{edge}.crt", edges / f"{edge}.key"
 
 
+def jump_socket(data: dict):
+    """A home donor (donorkit/tunnel.py): its SSH stream through the edge (OpenSSH's `-W`), as
+    a socket for paramiko; None for a box reached directly."""
+    command = data.get("ssh_proxy_command")
+    if not command:
+        return None
+    import paramiko
+
+    return paramiko.ProxyCommand(shlex.join(command))
+
+
 class SshRunner:
     """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
     unknown or changed host key is refused; sudo for a user other than root)."""
@@ -95,7 +106,8 @@ class SshRunner:
         self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
         self._client.connect(hostname=data["ssh_hostname"], port=int(data.get("ssh_port", 22)),
                              username=data["ssh_user"], key_filename=data.get("ssh_key"),
-                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
+                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
+                             sock=jump_socket(data))
         self._sudo = bool(data.get("_sudo"))
 
     def run(self, command: str, timeout: float = 60) -> tuple[int, str]:
