@@ -379,7 +379,8 @@ def load_inventory(donors_path: Path | str | None = None,
         data = _host_data(name, donor, merged, settings, where)
         data.update(_reach(name, donor, merged))
         address = values.box_identity(data["ssh_hostname"])
-        if address in seen_addresses:
+        # A tunnel address is checked against the other tunnel addresses (tunnel.plan).
+        if address in seen_addresses and donor.reach == "direct":
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
         seen_addresses[address] = f"donor '{name}'"
