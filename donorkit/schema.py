@@ -241,6 +241,7 @@ class TunnelSettings(Strict):
     pool: TunnelPool                        # every tunnel address comes from here
     port: Port                              # UDP port a hub edge listens on
     keepalive: KeepaliveSeconds             # a donor's PersistentKeepalive (keeps NAT open)
+    watch_interval: KeepaliveSeconds        # a donor pings its edges through the tunnel
     interface: WgInterface                  # the WireGuard interface (wg-quick@<it>)
     handshake_max_age: Annotated[int, Field(ge=30, le=3600)]  # verify: last handshake newer
     packages: list[DebPackage]              # on every box of a tunnel

@@ -227,6 +227,7 @@ def plan(fleet: dict[str, dict], edges: dict[str, dict], where: dict[str, str]) 
             "interface": settings["interface"],
             "address": data["tunnel_address"],
             "keepalive": settings["keepalive"],
+            "watch_interval": settings["watch_interval"],
             "public_key": data["tunnel_public_key"],
             # An edge whose key the operator has not pasted yet (its first deploy prints it)
             # cannot be dialled: left out until it has one.
@@ -298,6 +299,16 @@ def render_conf(tunnel: dict) -> str:
         tunnel=tunnel, paths=paths(tunnel), nft_table=NFT_TABLE)
 
 
+WATCH_UNIT = "uncloseai-tunnel-watch.service"
+
+
+def render_watch_unit(tunnel: dict) -> str:
+    """A home donor's watch: one ping to each edge through the tunnel every watch_interval s
+    (templates/tunnel-watch.service.j2 says why)."""
+    return _environment().get_template("tunnel-watch.service.j2").render(
+        tunnel=tunnel, unit=unit(tunnel), edges=[peer["address"] for peer in tunnel["peers"]])
+
+
 def render_nft(tunnel: dict) -> str:
     return _environment().get_template("tunnel.nft.j2").render(
         tunnel=tunnel, nft_table=NFT_TABLE,
@@ -312,9 +323,9 @@ def join_document(data: dict) -> dict[str, Any]:
     the donor's own tunnel data, nothing secret (public keys, addresses, ports)."""
     tunnel = data["tunnel"]
     return {"donor": data["donor_name"], "tunnel": {
-        key: tunnel[key] for key in ("role", "entry", "interface", "address", "keepalive", "peers",
-                                     "allowed_ports", "packages", "userspace_package",
-                                     "handshake_max_age")}}
+        key: tunnel[key] for key in ("role", "entry", "interface", "address", "keepalive",
+                                     "watch_interval", "peers", "allowed_ports", "packages",
+                                     "userspace_package", "handshake_max_age")}}
 
 
 class JoinPeer(Strict):
@@ -330,6 +341,7 @@ class JoinTunnel(Strict):
     interface: WgInterface
     address: TunnelAddress
     keepalive: KeepaliveSeconds
+    watch_interval: KeepaliveSeconds
     peers: Annotated[list[JoinPeer], Field(min_length=1)]
     allowed_ports: Annotated[list[Port], Field(min_length=1)]
     packages: list[DebPackage]

@@ -9,6 +9,7 @@ from pyinfra import host
 from pyinfra.api import deploy
 
 from donorkit import tunnel as tunnels
+from donorkit.render import UNIT_DIR, VERIFY_UNIT
 from donorkit.tunnel_operations import (
     firewall_loaded,
     tunnel_key_is,
@@ -17,7 +18,7 @@ from donorkit.tunnel_operations import (
 )
 from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import ConfigFile, config_files
-from pyinfra_declared.services import reloaded_service
+from pyinfra_declared.services import reloaded_service, service_running_its_files
 
 
 @deploy("WireGuard tunnel")
@@ -48,3 +49,12 @@ def apply() -> None:
                      pending_marker=conf_marker)
     firewall_loaded(name="Load the tunnel's firewall", nft_file=files["nft"],
                     table=tunnels.NFT_TABLE, pending_marker=nft_marker)
+    if tunnel["role"] == "donor":
+        # The donor is the only side that can dial: it pings its edges through the tunnel, so
+        # an edge that lost the session gets a new handshake within seconds.
+        watch = f"{UNIT_DIR}/{tunnels.WATCH_UNIT}"
+        config_files(name="Install the tunnel watch",
+                     files=[ConfigFile(content=tunnels.render_watch_unit(tunnel), dest=watch,
+                                       validate=VERIFY_UNIT)])
+        service_running_its_files(name="Run the tunnel watch", unit=tunnels.WATCH_UNIT,
+                                  depends_on=[watch], record=f"{state}/tunnel-watch.started")

@@ -95,9 +95,11 @@ def changed(report: dict, host: str) -> list[str]:
     return [op["name"] for op in report["results"]["operations"] if host in op["success"]]
 
 
-def tcp_from_here(address: str, port: int) -> int:
-    return subprocess.run(["timeout", "4", "bash", "-c", f"</dev/tcp/{address}/{port}"],
-                          capture_output=True).returncode
+def sshd_answers_here(address: str) -> str:
+    """ssh-keyscan of `address`:22 from this machine (empty when no sshd answered). Connecting
+    alone proves nothing here: this machine's way out accepts any TCP connection."""
+    return subprocess.run(["ssh-keyscan", "-T", "4", address], capture_output=True,
+                          text=True).stdout
 
 
 def via_edge(hosts: dict[str, Host], path: str = "/v1/models", tag: str = "") -> tuple[int, str]:
@@ -129,11 +131,14 @@ def test_the_home_box_has_no_way_in(hosts: dict[str, Host]) -> None:
     out = on_console(home, "curl -sS -o /dev/null -w '%{http_code}' http://10.213.0.1:8089/",
                      check=False)
     assert out.stdout.strip() in ("200", "404"), (out.stdout, out.stderr)
-    assert tcp_from_here(home.ip, 22) != 0
-    assert ssh(hosts[EDGE], f"timeout 4 bash -c '</dev/tcp/{home.ip}/22'",
-               check=False).returncode != 0
-    # ... while the same check reaches the edge's sshd (the check itself works).
-    assert tcp_from_here(hosts[EDGE].ip, 22) == 0
+    host_key = on_console(home, "cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub").stdout.strip()
+    assert host_key
+    assert host_key not in sshd_answers_here(home.ip)
+    from_edge = ssh(hosts[EDGE], f"ssh-keyscan -T 4 {home.ip} 2>/dev/null", check=False).stdout
+    assert host_key not in from_edge
+    # ... while the same check sees the edge's sshd (the check itself works).
+    edge_key = ssh(hosts[EDGE], "cut -d' ' -f2 /etc/ssh/ssh_host_ed25519_key.pub").stdout.strip()
+    assert edge_key and edge_key in sshd_answers_here(hosts[EDGE].ip)
 
 
 def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None:

@@ -258,3 +258,15 @@ def test_the_firewall_is_loaded_when_its_file_changed_or_the_table_is_gone() -> 
     for marker, loaded in (({args["pending_marker"]: REGULAR}, True), ({}, False)):
         assert plan(firewall_loaded, args, {"marker": marker, "loaded": loaded})[0] == [
             "nft -f /etc/wireguard/wg0.nft && rm -f /opt/uncloseai/state/tunnel.nft-pending"]
+
+
+def test_the_tunnel_watch_pings_each_edge_through_the_tunnel(tmp_path: Path) -> None:
+    fleet, edges = load_inventory(donors_file(tmp_path))
+    unit = tunnel.render_watch_unit(fleet["tb-home"]["tunnel"])
+    assert (f'for edge in {edges["tb-edge"]["tunnel_address"]}; do ping -n -q -c 1 -W 2 -I '
+            'wg-uncloseai "$$edge"') in unit  # $$: systemd would expand $edge itself
+    assert "BindsTo=wg-quick@wg-uncloseai.service" in unit and "DynamicUser=yes" in unit
+    assert "sleep 5;" in unit
+    # The edge answers those pings (and nothing else new) from the tunnel.
+    assert 'iifname "wg-uncloseai" icmp type echo-request accept' in tunnel.render_nft(
+        edges["tb-edge"]["tunnel"])
