@@ -19,6 +19,7 @@ import http.client
 import shlex
 import socket
 import ssl
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,24 +42,44 @@ def client_context(ca: Path | str | None, client: tuple[Path | str, Path | str] 
 
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to `address`, with `hostname` as SNI and Host (one connection, one request: no
-    keep-alive across requests, as every hop to vLLM)."""
+    keep-alive across requests, as every hop to vLLM). `proxy`: a command whose stdin and
+    stdout are the TCP stream (a home donor's `ssh -W` through the edge, donorkit/tunnel.py)."""
 
     def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
-                 timeout: float) -> None:
+                 timeout: float, proxy: list[str] | None = None) -> None:
         super().__init__(hostname, port, context=context, timeout=timeout)
         self._address = address
+        self._proxy = proxy
+        self._process: subprocess.Popen | None = None
 
     def connect(self) -> None:
-        raw = socket.create_connection((self._address, self.port), self.timeout)
+        if self._proxy:
+            raw, theirs = socket.socketpair()
+            with theirs:
+                self._process = subprocess.Popen(self._proxy, stdin=theirs, stdout=theirs,
+                                                 stderr=subprocess.DEVNULL)
+            raw.settimeout(self.timeout)
+        else:
+            raw = socket.create_connection((self._address, self.port), self.timeout)
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
+
+    def close(self) -> None:
+        super().close()
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
 
 
 def https_get(address: str, port: int, hostname: str, path: str, ca: Path | str | None,
               client: tuple[Path | str, Path | str] | None = None, timeout: float = 60,
-              headers: dict[str, str] | None = None) -> tuple[int, str]:
-    """GET https://hostname:port/path from `address`: (status, body). TLS, connection and HTTP
-    errors are raised (OSError, http.client.HTTPException)."""
-    connection = PinnedHTTPS(address, port, hostname, client_context(ca, client), timeout)
+              headers: dict[str, str] | None = None,
+              proxy: list[str] | None = None) -> tuple[int, str]:
+    """GET https://hostname:port/path from `address` (through `proxy`, as PinnedHTTPS):
+    (status, body). TLS, connection and HTTP errors are raised (OSError,
+    http.client.HTTPException)."""
+    connection = PinnedHTTPS(address, port, hostname, client_context(ca, client), timeout,
+                             proxy)
     try:
         connection.request("GET", path, headers=headers or {})
         response = connection.getresponse()

@@ -243,6 +243,9 @@ def plan(fleet: dict[str, dict], edges: dict[str, dict], where: dict[str, str]) 
                      if edges[edge]["tunnel_public_key"]), edges[dials[name][0]])
         data["ssh_hostname"] = data["tunnel_address"]
         data["ssh_proxy_command"] = proxy_command(jump, data["tunnel_address"], data["ssh_port"])
+        # ... and its Caddy (make status, the rollout's checks), through the same edge's sshd.
+        data["caddy_proxy_command"] = proxy_command(jump, data["tunnel_address"],
+                                                    data["caddy_https_port"])
         data["ssh_jump"] = jump["edge_name"]
 
 

@@ -270,12 +270,17 @@ def test_it_serves_through_the_edge_and_the_never_joined_gets_nothing(
           f"{logged} in tb-home's log, {elapsed:.1f} s")
     assert failed == 0, codes
     assert int(logged) == len(codes)
+    # `make status` on the home box (SSH and its Caddy through the edge) and the edge.
     result = subprocess.run([str(BIN / "python"), "-m", "donorkit.status", "--json", "--limit",
-                             EDGE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, DONORS_FILE=str(DONORS)))
+                             f"{HOME},{EDGE}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, DONORS_FILE=str(DONORS)))
     doc = json.loads(result.stdout)
-    pool = {row["donor"]: row["seen"] for edge in doc["hosts"] for row in edge.get("pool", [])}
+    rows = {row["name"]: row for row in doc["hosts"]}
+    pool = {row["donor"]: row["seen"] for row in rows[EDGE]["pool"]}
     assert pool == {HOME: "up", NEVER: "down"}, result.stdout
+    [model] = rows[HOME]["models"]
+    assert model["ready"] and model["state"] == "active/running", rows[HOME]
+    assert rows[HOME]["toolkit"] and not rows[HOME].get("unreachable"), rows[HOME]
 
 
 def test_verify_checks_the_tunnel(hosts: dict[str, Host], tmp_path: Path) -> None:
