@@ -11,7 +11,7 @@ from pyinfra import host
 from pyinfra.api import FactBase
 
 from pyinfra_declared.apt import APT_FUNCTIONS, _apt_get
-from pyinfra_declared.batched_facts import DebStatus, PathStates, TextFiles
+from pyinfra_declared.batched_facts import DebStatus, PathStates, TextFiles, UnitState
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
 
@@ -96,3 +96,33 @@ def firewall_loaded(nft_file: str, table: str, pending_marker: str, marker: dict
         host.noop(f"table inet {table} is loaded")
         return
     yield f"nft -f {q(nft_file)} && rm -f {q(pending_marker)}"
+
+
+def sync_command(interface: str, private_key: str) -> str:
+    """The running interface made to match its config file (`wg syncconf`: peers added or
+    removed, the sessions of the others kept). wg-quick's own reload (`wg syncconf` of the
+    stripped config) would also remove the private key, which is not in the file: it is put in
+    a private copy on /run's tmpfs (never an argument, never on disk), removed after."""
+    iface, key = q(interface), q(private_key)
+    return (f"( t=$(umask 077 && mktemp /run/uncloseai-wg.XXXXXX) && "
+            f"wg-quick strip {iface} | awk -v keyfile={key} "
+            "'{ print } /^\\[Interface\\]$/ && !done { getline k < keyfile; "
+            "print \"PrivateKey = \" k; done = 1 }' > \"$t\" && "
+            f"wg syncconf {iface} \"$t\"; rc=$?; rm -f \"$t\"; exit $rc )")
+
+
+@operation(unit_state=lambda op: need(UnitState, unit=op.unit, present=op.pending_marker))
+def tunnel_running(unit: str, interface: str, private_key: str, pending_marker: str,
+                   unit_state: dict):
+    """wg-quick@<interface> enabled and running its config: started when it is not running; a
+    changed config (its marker) applied to the running interface with sync_command, never a
+    restart (the tunnels up stay up, the operator's SSH through one of them too)."""
+    q_marker = q(pending_marker)
+    if unit_state.get("UnitFileState") != "enabled":
+        yield f"systemctl enable -q {q(unit)}"
+    if unit_state.get("ActiveState") != "active":
+        yield f"systemctl restart {q(unit)} && rm -f {q_marker}"
+    elif unit_state.get("Present") == "yes":
+        yield f"{sync_command(interface, private_key)} && rm -f {q_marker}"
+    else:
+        host.noop(f"{unit} is running its config")

@@ -3,7 +3,7 @@ hostnames, each edge the hub of its donors. On every box of a tunnel: the tools,
 where the kernel has no module, the box's own key pair (the private key never leaves it), its
 public key checked against the inventory's, the config (no private key in it) and the tunnel's
 firewall table, then wg-quick@<interface> running them. A changed config is applied with
-`wg syncconf` (the unit's reload): tunnels up stay up, the operator's SSH through them too."""
+`wg syncconf` (tunnel_running): tunnels up stay up, the operator's SSH through them too."""
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -13,12 +13,13 @@ from donorkit.render import UNIT_DIR, VERIFY_UNIT
 from donorkit.tunnel_operations import (
     firewall_loaded,
     tunnel_key_is,
+    tunnel_running,
     userspace_wireguard,
     wireguard_key,
 )
 from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import ConfigFile, config_files
-from pyinfra_declared.services import reloaded_service, service_running_its_files
+from pyinfra_declared.services import service_running_its_files
 
 
 @deploy("WireGuard tunnel")
@@ -45,8 +46,9 @@ def apply() -> None:
                ConfigFile(content=tunnels.render_conf(tunnel), dest=files["conf"], mode="600",
                           pending_marker=conf_marker)],
     )
-    reloaded_service(name=f"Run the tunnel ({tunnels.unit(tunnel)})", unit=tunnels.unit(tunnel),
-                     pending_marker=conf_marker)
+    tunnel_running(name=f"Run the tunnel ({tunnels.unit(tunnel)})", unit=tunnels.unit(tunnel),
+                   interface=tunnel["interface"], private_key=files["key"],
+                   pending_marker=conf_marker)
     firewall_loaded(name="Load the tunnel's firewall", nft_file=files["nft"],
                     table=tunnels.NFT_TABLE, pending_marker=nft_marker)
     if tunnel["role"] == "donor":

@@ -21,6 +21,7 @@ from donorkit.paths import REPO_ROOT
 from donorkit.tunnel_operations import (
     firewall_loaded,
     tunnel_key_is,
+    tunnel_running,
     userspace_wireguard,
     wireguard_key,
 )
@@ -270,3 +271,33 @@ def test_the_tunnel_watch_pings_each_edge_through_the_tunnel(tmp_path: Path) -> 
     # The edge answers those pings (and nothing else new) from the tunnel.
     assert 'iifname "wg-uncloseai" icmp type echo-request accept' in tunnel.render_nft(
         edges["tb-edge"]["tunnel"])
+
+
+def test_a_changed_config_is_synced_never_restarted_and_keeps_the_key() -> None:
+    args = {"unit": "wg-quick@wg0.service", "interface": "wg0", "private_key": KEY,
+            "pending_marker": "/opt/uncloseai/state/tunnel.reload-pending"}
+    running = {"UnitFileState": "enabled", "ActiveState": "active"}
+    commands, noops = plan(tunnel_running, args, {"unit_state": running})
+    assert commands == [] and noops
+    [sync], _ = plan(tunnel_running, args, {"unit_state": {**running, "Present": "yes"}})
+    assert "restart" not in sync and "wg syncconf wg0" in sync
+    assert "getline k < keyfile" in sync and "-v keyfile=/etc/wireguard/wg0.key" in sync
+    assert sync.endswith(" && rm -f /opt/uncloseai/state/tunnel.reload-pending")
+    commands, _ = plan(tunnel_running, args, {"unit_state": {}})
+    assert commands == ["systemctl enable -q wg-quick@wg0.service",
+                        "systemctl restart wg-quick@wg0.service && rm -f "
+                        "/opt/uncloseai/state/tunnel.reload-pending"]
+
+
+@pytest.mark.skipif(not shutil.which("awk"), reason="awk")
+def test_the_sync_puts_the_key_under_the_interface_section(tmp_path: Path) -> None:
+    """sync_command's awk, run on a stripped config: the key from its file, after [Interface]."""
+    from donorkit.tunnel_operations import sync_command
+
+    key = tmp_path / "k"
+    key.write_text(KEY_A + "\n")
+    awk = sync_command("wg0", str(key)).split(" | ", 1)[1].split(" > ", 1)[0]
+    stripped = "[Interface]\nListenPort = 51820\n\n[Peer]\nPublicKey = x\n"
+    out = subprocess.run(["sh", "-c", awk], input=stripped, capture_output=True, text=True)
+    assert out.stdout == ("[Interface]\nPrivateKey = " + KEY_A + "\nListenPort = 51820\n\n"
+                          "[Peer]\nPublicKey = x\n"), out.stderr
