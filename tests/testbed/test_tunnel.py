@@ -300,29 +300,38 @@ def test_verify_checks_the_tunnel(hosts: dict[str, Host], tmp_path: Path) -> Non
 def test_only_the_edge_reaches_the_box_through_the_tunnel(hosts: dict[str, Host]) -> None:
     """nftables on tb-home: from the edge's tunnel address its Caddy answers; from another
     address on the edge's side of the tunnel (a second address on the edge's interface, let
-    through by WireGuard once the peer's allowed IPs are widened, as a rogue hub would) the
-    connection is dropped; and the edge forwards nothing between tunnel peers."""
+    through by tb-home's WireGuard once its allowed IPs and routes are widened: a misconfigured
+    box) the connection is dropped by the firewall; and the edge forwards nothing between
+    tunnel peers."""
     edge, home = hosts[EDGE], hosts[HOME]
     fleet, edges = inventory()
     target = fleet[HOME]["tunnel_address"]
-    ok = ssh(edge, f"curl -sk -o /dev/null -w '%{{http_code}}' --connect-timeout 4 "
-                   f"https://{target}/", check=False)
-    assert ok.stdout.strip() not in ("", "000"), ok  # TLS answered (no client cert: an error)
+    # As the edge's Caddy asks: SNI and Host the public name, our CA, the edge's client pair.
+    tls = "/etc/caddy/tls"
+    ask = (f"curl -sS -o /dev/null -w '%{{http_code}}' --connect-timeout 4 -m 10 "
+           f"--cacert {tls}/ca.crt --cert {tls}/{EDGE}-client.crt --key {tls}/{EDGE}-client.key "
+           f"--resolve {HOSTNAME}:443:{target} https://{HOSTNAME}/v1/models")
+    ok = ssh(edge, ask, check=False)
+    assert ok.stdout.strip() == "200", ok
     rogue = "10.77.255.254"
     edge_key = edges[EDGE]["tunnel_public_key"]
+    # tb-home's WireGuard misconfigured with a wider AllowedIPs (and its route, as wg-quick
+    # would add it): only its firewall stands between that address and its Caddy now.
     on_console(home, f"wg set {IFACE} peer {edge_key} allowed-ips "
-                     f"{edges[EDGE]['tunnel_address']}/32,{rogue}/32")
+                     f"{edges[EDGE]['tunnel_address']}/32,{rogue}/32 && "
+                     f"ip route add {rogue}/32 dev {IFACE}")
     ssh(edge, f"ip addr add {rogue}/32 dev {IFACE}")
     try:
-        out = ssh(edge, f"curl -sk -o /dev/null -w '%{{http_code}}' --connect-timeout 4 "
-                        f"--interface {rogue} https://{target}/", check=False)
-        assert out.stdout.strip() in ("", "000"), out
-        dropped = on_console(home, "nft list chain inet uncloseai_tunnel input").stdout
-        assert re.search(r'iifname "wg-uncloseai" drop', dropped), dropped
+        out = ssh(edge, f"{ask} --interface {rogue}", check=False)
+        # curl's 28: the connection timed out (dropped), not refused or answered.
+        assert out.returncode == 28 and out.stdout.strip() == "000", out
+        counters = on_console(home, "nft list chain inet uncloseai_tunnel input").stdout
+        assert re.search(r'iifname "wg-uncloseai" drop', counters), counters
     finally:
         ssh(edge, f"ip addr del {rogue}/32 dev {IFACE}", check=False)
-        on_console(home, f"wg set {IFACE} peer {edge_key} allowed-ips "
-                         f"{edges[EDGE]['tunnel_address']}/32", check=False)
+        on_console(home, f"ip route del {rogue}/32 dev {IFACE}; wg set {IFACE} peer {edge_key} "
+                         f"allowed-ips {edges[EDGE]['tunnel_address']}/32", check=False)
+    assert ssh(edge, ask, check=False).stdout.strip() == "200"
     forward = ssh(edge, "nft list chain inet uncloseai_tunnel forward").stdout
     assert f'iifname "{IFACE}" drop' in forward and f'oifname "{IFACE}" drop' in forward
 
