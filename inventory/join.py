@@ -9,15 +9,17 @@ import os
 import sys
 from pathlib import Path
 
-from donorkit.fleet import DEFAULTS_FILE, FleetError, read_yaml
+from donorkit import schema
+from donorkit.fleet import DEFAULTS_FILE, FleetError, _validate, read_yaml
 from donorkit.tunnel import read_join_file
 
 try:
     _join = read_join_file(Path(os.environ.get("JOIN_FILE") or "JOIN_FILE is not set"))
+    _defaults = _validate(schema.Defaults, read_yaml(DEFAULTS_FILE), str(DEFAULTS_FILE)
+                          ).model_dump()
 except FleetError as exc:
     print(f"join error: {exc}", file=sys.stderr)
     raise SystemExit(2) from None
-_defaults = read_yaml(DEFAULTS_FILE)
 
 tunnel_join = [("@local", {
     "donor_name": _join["donor"],
