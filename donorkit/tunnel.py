@@ -26,7 +26,6 @@ import binascii
 import hashlib
 import ipaddress
 import re
-import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -247,6 +246,8 @@ def plan(fleet: dict[str, dict], edges: dict[str, dict], where: dict[str, str]) 
         data["caddy_proxy_command"] = proxy_command(jump, data["tunnel_address"],
                                                     data["caddy_https_port"])
         data["ssh_jump"] = jump["edge_name"]
+        data["ssh_jump_data"] = {key: jump.get(key) for key in (
+            "ssh_hostname", "ssh_port", "ssh_user", "ssh_key", "ssh_known_hosts_file")}
 
 
 def proxy_command(jump: dict, target: str, port: int) -> list[str]:
@@ -264,11 +265,32 @@ def proxy_command(jump: dict, target: str, port: int) -> list[str]:
 
 def ssh_config(data: dict) -> str:
     """An ssh_config (pyinfra's `ssh_config_file` host data) for a tunnelled donor: its tunnel
-    address through the edge. paramiko reads ProxyCommand with shlex, so every word is quoted."""
-    command = " ".join(shlex.quote(word) for word in data["ssh_proxy_command"])
-    return (f"# Written by the uncloseai inventory for donor {data['donor_name']}: its SSH goes "
-            f"through edge {data['ssh_jump']}.\nHost {data['ssh_hostname']}\n"
-            f"    ProxyCommand {command}\n")
+    address through the edge as a ProxyJump, which pyinfra makes with paramiko itself (a
+    direct-tcpip channel through the edge's sshd). Not a ProxyCommand: paramiko's ProxyCommand
+    counts a partial write to the command's stdin as whole, and under pyinfra's gevent the pipe
+    takes partial writes: the stream was corrupted ("Corrupted MAC on input") mid-deploy. The
+    edge's entry carries its own key and known_hosts file (an unknown host key refused)."""
+    jump = data["ssh_jump_data"]
+    alias = f"uncloseai-jump-{data['ssh_jump']}"
+    lines = [f"# Written by the uncloseai inventory for donor {data['donor_name']}: its SSH goes "
+             f"through edge {data['ssh_jump']}.",
+             f"Host {alias}", f"    HostName {jump['ssh_hostname']}",
+             f"    Port {jump['ssh_port']}", f"    User {jump['ssh_user']}",
+             "    StrictHostKeyChecking yes", "    ConnectTimeout 10"]
+    if jump.get("ssh_key"):
+        lines.append(f"    IdentityFile {_ssh_config_word(jump['ssh_key'])}")
+    if jump.get("ssh_known_hosts_file"):
+        lines.append(f"    UserKnownHostsFile {_ssh_config_word(jump['ssh_known_hosts_file'])}")
+    lines += [f"Host {data['ssh_hostname']}", f"    ProxyJump {alias}",
+              "    StrictHostKeyChecking yes", ""]
+    return "\n".join(lines)
+
+
+def _ssh_config_word(path: str) -> str:
+    """A path as one ssh_config word (paramiko splits on whitespace; quotes group)."""
+    if '"' in path:
+        raise ValueError(f"{path!r}: a double quote cannot be in an ssh_config path")
+    return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
 def write_ssh_config(data: dict, directory: Path) -> str:

@@ -90,7 +90,29 @@ def test_the_edge_proxies_to_the_tunnel_address_and_the_box_is_reached_through_t
     assert command[-3:] == ["-W", f"{home['tunnel_address']}:22", "root@10.213.0.20"]
     assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
     config = tunnel.ssh_config(home)
-    assert f"Host {home['tunnel_address']}\n" in config and "ProxyCommand ssh " in config
+    assert (f"Host {home['tunnel_address']}\n    ProxyJump uncloseai-jump-tb-edge\n"
+            in config)
+    assert "Host uncloseai-jump-tb-edge\n    HostName 10.213.0.20\n" in config
+    assert f"UserKnownHostsFile {REPO_ROOT}/.testbed/known_hosts" in config
+
+
+def test_pyinfra_jumps_through_the_edge_with_the_edges_own_ssh_data(tmp_path: Path) -> None:
+    """pyinfra's own ssh_config reading (its connector's parse_config, paramiko's SSHConfig)
+    of the written file: the donor through the edge's alias; the edge at its address, with its
+    key and known_hosts, host keys checked."""
+    from pyinfra.connectors.sshuserclient.client import SSHClient, get_ssh_config
+
+    fleet, _ = load_inventory(donors_file(tmp_path))
+    path = tunnel.write_ssh_config(fleet["tb-home"], tmp_path / "ssh")
+    config = get_ssh_config(path)
+    target = config.lookup(fleet["tb-home"]["tunnel_address"])
+    assert target["proxyjump"] == "uncloseai-jump-tb-edge"
+    hop = config.lookup("uncloseai-jump-tb-edge")
+    assert hop["hostname"] == "10.213.0.20" and hop["stricthostkeychecking"] == "yes"
+    assert hop["identityfile"] == [str(REPO_ROOT / ".testbed/ssh/id_ed25519")]
+    hostname, port = SSHClient.derive_shorthand(config, "uncloseai-jump-tb-edge")
+    assert (hostname, port["port"], port["username"]) == ("uncloseai-jump-tb-edge", "22", "root")
+    assert (tmp_path / "ssh").stat().st_mode & 0o777 == 0o700
 
 
 def test_direct_donors_are_unchanged(tmp_path: Path) -> None:
