@@ -275,8 +275,12 @@ def ssh_config(data: dict) -> str:
     lines = [f"# Written by the uncloseai inventory for donor {data['donor_name']}: its SSH goes "
              f"through edge {data['ssh_jump']}.",
              f"Host {alias}", f"    HostName {jump['ssh_hostname']}",
-             f"    Port {jump['ssh_port']}", f"    User {jump['ssh_user']}",
-             "    StrictHostKeyChecking yes", "    ConnectTimeout 10"]
+             f"    User {jump['ssh_user']}", "    StrictHostKeyChecking yes",
+             "    ConnectTimeout 10"]
+    if int(jump["ssh_port"]) != 22:
+        # Only when not 22: pyinfra 3.10 passes a hop's Port as the config's string, and
+        # paramiko then looks its host key up as "[host]:22", which known_hosts never holds.
+        lines.append(f"    Port {jump['ssh_port']}")
     if jump.get("ssh_key"):
         lines.append(f"    IdentityFile {_ssh_config_word(jump['ssh_key'])}")
     if jump.get("ssh_known_hosts_file"):
