@@ -55,6 +55,9 @@ class PinnedHTTPS(http.client.HTTPSConnection):
     def connect(self) -> None:
         if self._proxy:
             raw, theirs = socket.socketpair()
+            # The command's end blocks, whatever socket.setdefaulttimeout says: a command
+            # writes its stdout expecting that (a non-blocking one fails with EAGAIN).
+            theirs.setblocking(True)
             with theirs:
                 self._process = subprocess.Popen(self._proxy, stdin=theirs, stdout=theirs,
                                                  stderr=subprocess.DEVNULL)
