@@ -16,6 +16,7 @@ durations from donorkit.values.duration_ns.
 from __future__ import annotations
 
 import http.client
+import os
 import shlex
 import socket
 import ssl
@@ -50,28 +51,23 @@ class PinnedHTTPS(http.client.HTTPSConnection):
         super().__init__(hostname, port, context=context, timeout=timeout)
         self._address = address
         self._proxy = proxy
-        self._process: subprocess.Popen | None = None
 
     def connect(self) -> None:
         if self._proxy:
             raw, theirs = socket.socketpair()
-            # The command's end blocks, whatever socket.setdefaulttimeout says: a command
-            # writes its stdout expecting that (a non-blocking one fails with EAGAIN).
-            theirs.setblocking(True)
+            # The command's end blocks (a command writes its stdout expecting that: on a
+            # non-blocking one it fails with EAGAIN), whatever made our sockets non-blocking.
+            os.set_blocking(theirs.fileno(), True)
+            # Not killed when the connection closes: http.client closes it as soon as the
+            # response starts (Connection: close) while the body still flows through the
+            # command; the command ends by itself at the end of the stream (ssh -W: EOF).
             with theirs:
-                self._process = subprocess.Popen(self._proxy, stdin=theirs, stdout=theirs,
-                                                 stderr=subprocess.DEVNULL)
+                subprocess.Popen(self._proxy, stdin=theirs, stdout=theirs,
+                                 stderr=subprocess.DEVNULL)
             raw.settimeout(self.timeout)
         else:
             raw = socket.create_connection((self._address, self.port), self.timeout)
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
-
-    def close(self) -> None:
-        super().close()
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            self._process = None
 
 
 def https_get(address: str, port: int, hostname: str, path: str, ca: Path | str | None,
