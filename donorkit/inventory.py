@@ -57,8 +57,8 @@ def pyinfra_groups(fleet: dict[str, dict], edges: dict[str, dict] | None = None,
     for name, fleet_data in fleet.items():
         data = {**fleet_data, "ssh_paramiko_connect_kwargs": connect_kwargs}
         if fleet_data.get("ssh_proxy_command"):
-            # A home donor: SSH to its tunnel address through an edge (pyinfra reads the
-            # ProxyCommand from an ssh_config file: its public `ssh_config_file` host data).
+            # A home donor: SSH to its tunnel address through an edge (a ProxyJump in an
+            # ssh_config file: pyinfra's public `ssh_config_file` host data).
             data["ssh_config_file"] = write_ssh_config(fleet_data, repo_path(SSH_CONFIG_DIR))
         groups["donors"].append((name, data))
         groups.setdefault(data["card"].name, []).append((name, data))
