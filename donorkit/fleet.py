@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from donorkit import pki, schema, values
+from donorkit import pki, schema, tunnel, values
 from donorkit.host_data import CudaHostCard, host_card
 from donorkit.host_software import RequirementsFileError, driver_minimum, venv_install
 from donorkit.paths import REPO_ROOT, repo_path
@@ -241,6 +241,17 @@ def _host_data(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     return data
 
 
+def _reach(name: str, donor: schema.Donor, merged: dict) -> dict:
+    """How a donor is reached (donorkit/tunnel.py plans the rest): a tunnelled one at its
+    tunnel address, which is also its identity among the boxes."""
+    data = {"reach": donor.reach, "tunnel_address": donor.tunnel_address,
+            "tunnel_public_key": donor.tunnel_public_key, "tunnel_settings": merged["tunnel"]}
+    if donor.reach == "tunnel":
+        data["ssh_hostname"] = (donor.tunnel_address
+                                or tunnel.derived_address(merged["tunnel"]["pool"], name))
+    return data
+
+
 def load_fleet(donors_path: Path | str | None = None, defaults_path: Path | str | None = None,
                require_local_sources: bool = False) -> dict[str, dict]:
     """Return {donor name: host data}; raise FleetError on any mistake in either file."""
@@ -366,8 +377,10 @@ def load_inventory(donors_path: Path | str | None = None,
             raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
         settings = schema.Defaults.model_validate(merged)
         data = _host_data(name, donor, merged, settings, where)
+        data.update(_reach(name, donor, merged))
         address = values.box_identity(data["ssh_hostname"])
-        if address in seen_addresses:
+        # A tunnel address is checked against the other tunnel addresses (tunnel.plan).
+        if address in seen_addresses and donor.reach == "direct":
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
         seen_addresses[address] = f"donor '{name}'"
@@ -387,12 +400,20 @@ def load_inventory(donors_path: Path | str | None = None,
         edge = _validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         merged = _merged(file_wide, edge.overrides, where, "overrides")
         data = _edge_data(name, edge, merged, fleet, pools, where)
+        data.update(tunnel_endpoint=edge.tunnel_endpoint or edge.ssh_host,
+                    tunnel_address=edge.tunnel_address,
+                    tunnel_public_key=edge.tunnel_public_key, tunnel_settings=merged["tunnel"])
         address = values.box_identity(data["ssh_hostname"])
         if address in seen_addresses:
             raise FleetError(f"{where}: field 'ssh_host': {data['ssh_hostname']} is the box of "
                              f"{seen_addresses[address]} (one box, one entry)")
         seen_addresses[address] = f"edge '{name}'"
         edges[name] = data
+    try:
+        tunnel.plan(fleet, edges, {**{n: f"{donors_path}: donor '{label(n)}'" for n in fleet},
+                                   **{n: f"{donors_path}: edge '{label(n)}'" for n in edges}})
+    except tunnel.TunnelError as exc:
+        raise FleetError(str(exc)) from None
     # Each donor's Caddy accepts exactly these client certificates: an edge deleted here loses
     # access at the donors' next deploy (donorkit/pki.py).
     for data in fleet.values():

@@ -143,7 +143,8 @@ def ask_caddy(data: dict, hostname: str, path: str, client: tuple[str, str],
     """GET https://hostname{path} at the box's Caddy (rollout's pinned HTTPS: SNI and Host the
     public name, our CA, the operator's client certificate): (status, body, cert notAfter)."""
     conn = PinnedHTTPS(data["ssh_hostname"], int(data["caddy_https_port"]), hostname,
-                       client_context(pki_dir(data) / "ca.crt", client), timeout)
+                       client_context(pki_dir(data) / "ca.crt", client), timeout,
+                       data.get("caddy_proxy_command"))
     try:
         conn.request("GET", path)
         response = conn.getresponse()

@@ -40,6 +40,7 @@ from testinfra.backend.local import LocalBackend
 from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
+from donorkit import transport
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.limit import LimitError, select
 
@@ -241,7 +242,9 @@ class KnownHostsParamikoBackend(ParamikoBackend):
     """testinfra's paramiko backend, but honouring a known_hosts file (unknown keys refused)."""
 
     def __init__(self, hostspec: str, known_hosts: str | None = None,
-                 accept_unknown: bool = False, **kwargs: object) -> None:
+                 accept_unknown: bool = False, data: dict | None = None,
+                 **kwargs: object) -> None:
+        self.data = data or {}  # a home donor's: its SSH goes through an edge
         self.known_hosts = known_hosts
         self.accept_unknown = accept_unknown
         super().__init__(hostspec, **kwargs)
@@ -259,7 +262,7 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         client.connect(hostname=self.host.name, port=int(self.host.port or 22),
                        username=self.host.user, key_filename=self.ssh_identity_file,
                        timeout=self.timeout, banner_timeout=self.timeout,
-                       auth_timeout=self.timeout)
+                       auth_timeout=self.timeout, sock=transport.jump_socket(self.data))
         return client
 
 
@@ -273,7 +276,7 @@ def make_host(data: dict, on_box: bool, known_hosts: str | None = None,
     backend = KnownHostsParamikoBackend(
         f"{data['ssh_user']}@{address}:{data['ssh_port']}",
         known_hosts=known_hosts or data.get("ssh_known_hosts_file"),
-        accept_unknown=accept_unknown,
+        accept_unknown=accept_unknown, data=data,
         ssh_identity_file=data.get("ssh_key"), timeout=CONNECT_TIMEOUT_S,
         sudo=bool(data.get("_sudo")))
     return Host(backend)

@@ -32,7 +32,7 @@ def _through_caddy(data: dict, hostname: str, path: str, client: tuple) -> tuple
     CA, with `client`'s certificate."""
     try:
         return mtls.get(data["ssh_hostname"], data["caddy_https_port"], hostname, path,
-                        mtls.ca_file(data), client)
+                        mtls.ca_file(data), client, proxy=data.get("caddy_proxy_command"))
     except OSError as exc:
         pytest.fail(f"GET {path} via {hostname} at {data['ssh_hostname']}: {exc}",
                     pytrace=False)
