@@ -24,7 +24,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: venv venv-test test testbed verify render lint rollout accept gpu-engine-carry status lock
+.PHONY: venv venv-test test testbed verify render lint rollout accept gpu-engine-carry status lock join-file join
 
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
@@ -70,3 +70,16 @@ status: venv
 
 lock: venv
 	$(BIN)/python -m donorkit.lock $(if $(BRANCH),--branch "$(BRANCH)") $(if $(ALL),--all)
+
+# A home donor behind NAT (README "A home donor behind NAT"):
+#   make join-file HOST=name OUT=file  on the operator's machine: the donor's join file
+#   make join JOIN=file                on the box, as root: the tunnel up (pyinfra @local), then
+#                                      the box's public keys for the operator
+join-file: venv
+	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make join-file HOST=<donor> OUT=<file>" >&2; exit 2; }
+	$(BIN)/python -m donorkit.tunnel join-file "$(HOST)" "$(OUT)"
+
+join: venv
+	@test -n "$(JOIN)" || { echo "usage: make join JOIN=<join file>" >&2; exit 2; }
+	JOIN_FILE="$(JOIN)" $(BIN)/pyinfra -y inventory/join.py deploy.py
+	$(BIN)/python -m donorkit.tunnel box-keys "$(JOIN)"

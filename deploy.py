@@ -20,6 +20,7 @@ from tasks import (
     preflight,
     record_version,
     service_user,
+    tunnel,
     units,
     vllm_venv,
     weights,
@@ -32,7 +33,15 @@ progress.register(state)
 # (pyinfra_declared/deploy_file.py).
 deploy_file.register(state)
 
+if "tunnel_join" in host.groups:
+    # A home donor's owner joins it to the tunnel, on the box (`make join`, inventory/join.py):
+    # the tunnel only; the operator's deploy does the rest through it.
+    tunnel.apply()
+
 if "donors" in host.groups:
+    # A home donor behind NAT (`reach: tunnel`) is deployed through its tunnel: kept first.
+    if host.data.tunnel:
+        tunnel.apply()
     # A card profile with `engine: cpu` (vLLM's CPU build: the testbed's real-engine host) has no
     # CUDA toolkit, exllamav3 or plugin.
     cuda_engine = host.data.card.engine == "cuda"
@@ -55,4 +64,8 @@ if "donors" in host.groups:
 if "edges" in host.groups:
     caddy_repository.apply()
     edge_caddy.apply()
+    # The hub of the home donors among its upstreams, if any (after its Caddy: the first deploy
+    # stops here, printing the edge's new tunnel key for the donors file).
+    if host.data.tunnel:
+        tunnel.apply()
     record_version.apply()

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from donorkit import pki, schema, values
+from donorkit import pki, schema, tunnel, values
 from donorkit.host_data import (
     CudaHostCard,
     DonorBox,
@@ -77,10 +77,11 @@ def _merged(defaults: dict, override: Any, where: str, origin: str
     return merged, validate(schema.Defaults, merged, where, f"{origin}.")
 
 
-def _ssh_data(entry: schema.Donor | schema.Edge) -> dict[str, Any]:
+def _ssh_data(entry: schema.Donor | schema.Edge, hostname: str | None = None
+              ) -> dict[str, Any]:
     """pyinfra's SSH keys; relative key paths are relative to the repo root, like everything
-    else."""
-    return {"ssh_hostname": entry.ssh_host, "ssh_user": entry.ssh_user,
+    else. `hostname`: a tunnelled donor's tunnel address (it has no ssh_host)."""
+    return {"ssh_hostname": hostname or entry.ssh_host, "ssh_user": entry.ssh_user,
             "ssh_port": entry.ssh_port,
             "ssh_key": None if entry.ssh_key is None else str(repo_path(entry.ssh_key)),
             "ssh_known_hosts_file": (None if entry.ssh_known_hosts_file is None
@@ -101,10 +102,14 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         install = venv_install(card, settings)
     except RequirementsFileError as exc:
         raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
+    # A tunnelled donor is reached at its tunnel address (donorkit/tunnel.py plans the rest),
+    # which is also its identity among the boxes.
+    tunnel_host = None if donor.reach != "tunnel" else (
+        donor.tunnel_address or tunnel.derived_address(settings.tunnel.pool, name))
     return DonorBox.model_construct(
         **{field: getattr(settings, field) for field in schema.Settings.model_fields
            if field not in ("vllm_executable", "unit_service")},
-        **_ssh_data(donor),
+        **_ssh_data(donor, tunnel_host),
         donor_name=name,
         card=card,
         cuda_version=cuda,
@@ -128,6 +133,10 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         retired_units=[f"vllm-{m}.service" for m in sorted(settings.models) if m not in served],
         **install,
         trusted_clients=trusted_clients,
+        reach=donor.reach,
+        tunnel_settings=settings.tunnel,
+        tunnel_address=donor.tunnel_address,
+        tunnel_public_key=donor.tunnel_public_key,
     )
 
 
@@ -199,14 +208,19 @@ def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
         rate_limit=(edge.rate_limit if "rate_limit" in edge.model_fields_set
                     else settings.edge_rate_limit),
         sites=sites,
+        tunnel_settings=settings.tunnel,
+        tunnel_endpoint=edge.tunnel_endpoint or edge.ssh_host,
+        tunnel_address=edge.tunnel_address,
+        tunnel_public_key=edge.tunnel_public_key,
     )
 
 
 def _one_box_per_address(seen: dict[str, str], box: DonorBox | EdgeBox, what: str,
                          where: str) -> None:
-    """One box, one entry: values.box_identity's spelling, whatever the SSH port."""
+    """One box, one entry: values.box_identity's spelling, whatever the SSH port. A tunnelled
+    donor's tunnel address is checked against the other tunnel addresses (tunnel.plan)."""
     address = values.box_identity(box.ssh_hostname)
-    if address in seen:
+    if address in seen and getattr(box, "reach", "direct") == "direct":
         raise FleetError(f"{where}: field 'ssh_host': {box.ssh_hostname} is the box of "
                          f"{seen[address]} (one box, one entry)")
     seen[address] = what
@@ -276,6 +290,11 @@ def load_inventory(donors_path: Path | str | None = None,
         box = _edge_box(name, edge, settings, fleet, pools, where)
         _one_box_per_address(seen_addresses, box, f"edge '{name}'", where)
         edges[name] = box
+    try:
+        tunnel.plan(fleet, edges, {**{n: f"{donors_path}: donor '{label(n)}'" for n in fleet},
+                                   **{n: f"{donors_path}: edge '{label(n)}'" for n in edges}})
+    except tunnel.TunnelError as exc:
+        raise FleetError(str(exc)) from None
     if require_local_sources:
         for name, box in fleet.items():
             source = box.vllm_exl3_plugin

@@ -7,7 +7,10 @@ read the same models (`load_inventory` returns them), never a key no model names
 The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
 donors file's overrides, validated there); the rest is derived once, in donorkit.fleet: the card
 profile with its name, the served models with their units, the CUDA paths, the venv's install.
-An edge carries the few settings its Caddy needs and one site per public hostname.
+An edge carries the few settings its Caddy needs and one site per public hostname. A home
+donor behind NAT (`reach: tunnel`) and the edges that are its hubs also carry their tunnel
+(`DonorTunnel`, `EdgeTunnel`: donorkit.tunnel.plan makes them) and, on the donor, how this
+machine reaches it through an edge (`ssh_proxy_command`, `caddy_proxy_command`, `ssh_jump_data`).
 
 The loader makes these from data it has validated (defaults.yml and the donors file, as
 `schema.Defaults`, `Donor`, `Edge`) with `model_construct`: not validated a second time, and
@@ -22,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Tag
 
 from donorkit.card_profiles import CpuCard, CudaCard, engine_tag
-from donorkit.schema import EdgeProxy, RateLimit, Settings
+from donorkit.schema import EdgeProxy, RateLimit, Settings, TunnelSettings
 from donorkit.values import Name, Strict
 
 DERIVED = ConfigDict(defer_build=True)
@@ -99,6 +102,66 @@ class Site(Strict):
     zone: str
 
 
+class TunnelPeer(Strict):
+    """One peer of a box's tunnel: on an edge a donor, on a donor an edge (with the endpoint
+    the donor dials)."""
+
+    model_config = DERIVED
+    name: Name
+    public_key: str | None              # None: not joined yet (an edge: no peer then)
+    address: str                        # its tunnel address
+    endpoint: str | None = None         # a donor's peer: the edge's host:port; an edge's: None
+
+
+class DonorTunnel(Strict):
+    """A home donor's tunnel (donorkit.tunnel.plan): what its WireGuard config, firewall and
+    watch are made of, and what its join file carries."""
+
+    model_config = DERIVED
+    role: Literal["donor"] = "donor"
+    entry: str                          # "donor 'x'": where the operator pastes its key
+    interface: str
+    address: str
+    keepalive: int
+    watch_interval: int
+    public_key: str | None              # the inventory's; None: not joined (or joining)
+    peers: list[TunnelPeer]             # the edges it dials that have their key
+    allowed_ports: list[int]            # its Caddy's and sshd's ports, for the edges only
+    packages: list[str]
+    userspace_package: str
+    handshake_max_age: int
+
+
+class EdgeTunnel(Strict):
+    """A hub edge's tunnel (donorkit.tunnel.plan): the pool routed to it, one peer per joined
+    home donor among its upstreams."""
+
+    model_config = DERIVED
+    role: Literal["edge"] = "edge"
+    entry: str
+    interface: str
+    address: str
+    prefixlen: int
+    listen_port: int
+    public_key: str | None
+    peers: list[TunnelPeer]
+    waiting: list[Name]                 # its home donors with no key yet: no peer
+    packages: list[str]
+    userspace_package: str
+    handshake_max_age: int
+
+
+class SshJump(Strict):
+    """The edge a home donor's SSH goes through: that edge's own SSH data."""
+
+    model_config = DERIVED
+    ssh_hostname: str
+    ssh_port: int
+    ssh_user: str
+    ssh_key: str | None = None
+    ssh_known_hosts_file: str | None = None
+
+
 class _Login(Strict):
     """How pyinfra reaches the box: these fields are pyinfra's own host data keys."""
 
@@ -154,6 +217,18 @@ class DonorBox(_Login, Settings):
     venv_index_args: list[str]
     vllm_installed_version: str         # what `vllm --version` reports
     trusted_clients: list[str]          # client certificates its Caddy accepts (edges, operator)
+    # How it is reached (donorkit/tunnel.py): `direct` at ssh_host; `tunnel`, a home box behind
+    # NAT, at its tunnel address (ssh_hostname) through an edge: the rest is tunnel.plan's.
+    reach: Literal["direct", "tunnel"] = "direct"
+    tunnel_settings: TunnelSettings     # defaults.yml `tunnel`, merged
+    tunnel_address: str | None = None   # a tunnelled donor's (its entry's, or derived)
+    tunnel_public_key: str | None = None  # pasted by the operator; None: not joined
+    tunnel: DonorTunnel | None = None   # None: not a tunnelled donor
+    tunnel_hubs: list[Name] = []        # the edges it dials (those serving its hostnames)
+    ssh_proxy_command: list[str] | None = None    # `ssh -W` to its sshd through the edge
+    caddy_proxy_command: list[str] | None = None  # ... and to its Caddy (status, rollout)
+    ssh_jump: Name | None = None        # that edge's name
+    ssh_jump_data: SshJump | None = None  # that edge's SSH data (its ssh_config, tunnel.py)
 
     @property
     def name(self) -> str:
@@ -193,6 +268,14 @@ class EdgeBox(_Login):
     public_tls: Literal["acme", "private_ca"]
     rate_limit: RateLimit | None
     sites: list[Site]
+    # As the hub of home donors (donorkit/tunnel.py): where they dial it, its tunnel address
+    # (its entry's or derived; set when it is a hub), its key; `tunnel`: None when no
+    # tunnelled donor is among its upstreams.
+    tunnel_settings: TunnelSettings
+    tunnel_endpoint: str
+    tunnel_address: str | None = None
+    tunnel_public_key: str | None = None
+    tunnel: EdgeTunnel | None = None
 
     @property
     def name(self) -> str:

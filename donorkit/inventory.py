@@ -8,9 +8,13 @@ from typing import Any
 
 from donorkit.fleet import FleetError, check_revisions, load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import pki_dir
+from donorkit.paths import pki_dir, repo_path
 from donorkit.pki import Pki, PkiError
+from donorkit.tunnel import write_ssh_config
 from pyinfra_declared import ssh_socket
+
+# Where the inventory writes each home donor's ssh_config (git-ignored).
+SSH_CONFIG_DIR = ".uncloseai/ssh"
 
 
 def fleet_or_exit(donors_path: Path | str | None = None,
@@ -54,6 +58,10 @@ def pyinfra_groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox] | None 
     groups: dict[str, list[tuple[str, dict]]] = {"donors": [], "edges": []}
     for name, box in fleet.items():
         data = {**box.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
+        if box.ssh_proxy_command:
+            # A home donor: SSH to its tunnel address through an edge (a ProxyJump in an
+            # ssh_config file: pyinfra's public `ssh_config_file` host data).
+            data["ssh_config_file"] = write_ssh_config(box, repo_path(SSH_CONFIG_DIR))
         groups["donors"].append((name, data))
         groups.setdefault(box.card.name, []).append((name, data))
     for name, edge in (edges or {}).items():

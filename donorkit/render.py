@@ -263,7 +263,14 @@ def render_caddyfile(data: DonorBox) -> str:
         dict(data), tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
         trusted_leafs=list(trusted_client_files(data)),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
-        drain_flag_name=flag.name, operator_client_subject=f"CN={OPERATOR_CLIENT}")
+        drain_flag_name=flag.name, operator_client_subject=f"CN={OPERATOR_CLIENT}",
+        caddy_bind=caddy_bind(data))
+
+
+def caddy_bind(data: DonorBox) -> list[str]:
+    """Where a donor's Caddy listens: everywhere when the edges reach it directly; a tunnelled
+    donor's on its tunnel address and loopback only, never its home network's interfaces."""
+    return [data.tunnel.address, "127.0.0.1"] if data.tunnel else []
 
 
 def edge_paths(data: EdgeBox) -> dict[str, str]:
@@ -299,9 +306,13 @@ def render_caddy_drop_in(data: DonorBox | EdgeBox) -> str:
     """caddy.service's drop-in: the directory of the admin socket, entered by root and caddy only
     (the distro's unit has none; Caddy does not create it)."""
     socket_dir = str(Path(data.caddy_admin_socket).parent)  # /run/<dir>: the schema's shape
+    tunnel = data.tunnel if isinstance(data, DonorBox) else None
+    # A tunnelled donor's Caddy binds the tunnel address: the tunnel comes up first.
+    after = (f"[Unit]\nWants=wg-quick@{tunnel.interface}.service\n"
+             f"After=wg-quick@{tunnel.interface}.service\n" if tunnel else "")
     return ("# Managed by the uncloseai donor deploy. The admin API's socket lives here:\n"
             "# only root and caddy may enter (mode 0750, caddy:caddy from User=/Group=).\n"
-            "[Service]\n"
+            f"{after}[Service]\n"
             f"RuntimeDirectory={socket_dir.removeprefix('/run/')}\n"
             "RuntimeDirectoryMode=0750\n")
 

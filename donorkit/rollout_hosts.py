@@ -33,7 +33,8 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str,
     edge asks it (its client certificate `client`); else why."""
     try:
         status, body = https_get(box.data.ssh_hostname, box.data.caddy_https_port,
-                                 hostname, "/v1/models", ca_file(box.data), client, timeout)
+                                 hostname, "/v1/models", ca_file(box.data), client, timeout,
+                                 proxy=box.data.caddy_proxy_command)
         if status != 200:
             return f"{hostname}: HTTP {status}"
         ids = [m.get("id") for m in json.loads(body).get("data", [])]

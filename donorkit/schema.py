@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from donorkit.card_profiles import AcceptanceSettings, Card, CudaCard, variant_cuda
+from donorkit.tunnel import KeepaliveSeconds, TunnelAddress, TunnelPool, WgInterface, WgKey
 from donorkit.unit_settings import UnitEnvName, UnitService
 from donorkit.values import (
     AbsPath,
@@ -133,6 +134,19 @@ class EdgeProxy(Strict):
     health_timeout: Duration
 
 
+class TunnelSettings(Strict):
+    """defaults.yml `tunnel`: WireGuard between home donors (`reach: tunnel`) and their edges."""
+
+    pool: TunnelPool                        # every tunnel address comes from here
+    port: Port                              # UDP port a hub edge listens on
+    keepalive: KeepaliveSeconds             # a donor's PersistentKeepalive (keeps NAT open)
+    watch_interval: KeepaliveSeconds        # a donor pings its edges through the tunnel
+    interface: WgInterface                  # the WireGuard interface (wg-quick@<it>)
+    handshake_max_age: Annotated[int, Field(ge=30, le=3600)]  # verify: last handshake newer
+    packages: list[DebPackage]              # on every box of a tunnel
+    userspace_package: DebPackage           # where the kernel has no WireGuard module
+
+
 class Settings(Strict):
     """defaults.yml less its catalogues (`cards:`, `models:`): the settings a box's typed host
     data carries as they are (donorkit/host_data.py's `DonorBox` extends this). Never validated
@@ -234,12 +248,16 @@ class Defaults(Settings):
 
     cards: dict[Name, Card]
     models: dict[Name, Model]
+    # Home donors behind NAT (donorkit/tunnel.py): a box's typed data carries it as
+    # `tunnel_settings` (its `tunnel` is what donorkit.tunnel.plan makes of it).
+    tunnel: TunnelSettings
 
 
 class Donor(Strict):
     """One entry of donors.yml `donors:`."""
 
-    ssh_host: SshHost                       # what pyinfra connects to
+    # What pyinfra connects to; none for `reach: tunnel` (its tunnel address, through an edge).
+    ssh_host: SshHost | None = None
     ssh_user: UserName                      # not root: sudo is used
     ssh_port: Port = 22
     ssh_key: LocalPath | None = None        # private key on the operator's machine
@@ -247,6 +265,11 @@ class Donor(Strict):
     card: Name                              # a key of defaults.yml `cards:`
     routes: Annotated[dict[Hostname, Name], Field(min_length=1)]  # public hostname -> model
     overrides: dict[str, Any] = {}          # any defaults.yml key; validated after merging
+    # direct: the edges and the operator reach ssh_host; tunnel: a home box behind NAT, it dials
+    # the edges over WireGuard (donorkit/tunnel.py) and is reached at its tunnel address.
+    reach: Literal["direct", "tunnel"] = "direct"
+    tunnel_address: TunnelAddress | None = None   # None: derived from the name, in the pool
+    tunnel_public_key: WgKey | None = None  # what `make join` printed on the box; None: not joined
 
 
 class Edge(Strict):
@@ -263,6 +286,11 @@ class Edge(Strict):
     rate_limit: RateLimit | None = None
     public_tls: Literal["acme", "private_ca"] | None = None   # None: defaults.yml's
     overrides: dict[str, Any] = {}
+    # As a tunnel's hub (it serves a tunnelled donor): where donors dial it (None: ssh_host),
+    # its address in the pool (None: derived from the name), its key (its first deploy prints it).
+    tunnel_endpoint: SshHost | None = None
+    tunnel_address: TunnelAddress | None = None
+    tunnel_public_key: WgKey | None = None
 
 
 class Inventory(Strict):
@@ -305,6 +333,16 @@ def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, st
 
 def check_box(defaults: Defaults, donor: Donor) -> tuple[str, str] | None:
     """Cross-checks of one box once merged: (field, problem), or None when it is sound."""
+    if donor.reach == "direct" and donor.ssh_host is None:
+        return "ssh_host", "missing (a donor reached directly needs it; a home box behind NAT: "\
+            "reach: tunnel)"
+    if donor.reach == "tunnel" and donor.ssh_host is not None:
+        return "ssh_host", ("a tunnelled donor is reached at its tunnel address through an "
+                            "edge: leave ssh_host out")
+    if donor.reach == "direct":
+        for field in ("tunnel_address", "tunnel_public_key"):
+            if getattr(donor, field) is not None:
+                return field, "only for a donor with reach: tunnel"
     if defaults.service_user == donor.ssh_user:
         return "service_user", (f"'{donor.ssh_user}' is also this box's ssh_user: the deploy "
                                 "would set the login user's shell to nologin")

@@ -144,7 +144,8 @@ def ask_caddy(data: DonorBox, hostname: str, path: str, client: tuple[str, str],
     """GET https://hostname{path} at the box's Caddy (rollout's pinned HTTPS: SNI and Host the
     public name, our CA, the operator's client certificate): (status, body, cert notAfter)."""
     conn = PinnedHTTPS(data.ssh_hostname, data.caddy_https_port, hostname,
-                       client_context(pki_dir(data) / "ca.crt", client), timeout)
+                       client_context(pki_dir(data) / "ca.crt", client), timeout,
+                       data.caddy_proxy_command)
     try:
         conn.request("GET", path)
         response = conn.getresponse()

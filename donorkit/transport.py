@@ -16,9 +16,11 @@ durations from donorkit.values.duration_ns.
 from __future__ import annotations
 
 import http.client
+import os
 import shlex
 import socket
 import ssl
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,24 +46,42 @@ def client_context(ca: Path | str | None, client: tuple[Path | str, Path | str] 
 
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to `address`, with `hostname` as SNI and Host (one connection, one request: no
-    keep-alive across requests, as every hop to vLLM)."""
+    keep-alive across requests, as every hop to vLLM). `proxy`: a command whose stdin and
+    stdout are the TCP stream (a home donor's `ssh -W` through the edge, donorkit/tunnel.py)."""
 
     def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
-                 timeout: float) -> None:
+                 timeout: float, proxy: list[str] | None = None) -> None:
         super().__init__(hostname, port, context=context, timeout=timeout)
         self._address = address
+        self._proxy = proxy
 
     def connect(self) -> None:
-        raw = socket.create_connection((self._address, self.port), self.timeout)
+        if self._proxy:
+            raw, theirs = socket.socketpair()
+            # The command's end blocks (a command writes its stdout expecting that: on a
+            # non-blocking one it fails with EAGAIN), whatever made our sockets non-blocking.
+            os.set_blocking(theirs.fileno(), True)
+            # Not killed when the connection closes: http.client closes it as soon as the
+            # response starts (Connection: close) while the body still flows through the
+            # command; the command ends by itself at the end of the stream (ssh -W: EOF).
+            with theirs:
+                subprocess.Popen(self._proxy, stdin=theirs, stdout=theirs,
+                                 stderr=subprocess.DEVNULL)
+            raw.settimeout(self.timeout)
+        else:
+            raw = socket.create_connection((self._address, self.port), self.timeout)
         self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
 
 
 def https_get(address: str, port: int, hostname: str, path: str, ca: Path | str | None,
               client: tuple[Path | str, Path | str] | None = None, timeout: float = 60,
-              headers: dict[str, str] | None = None) -> tuple[int, str]:
-    """GET https://hostname:port/path from `address`: (status, body). TLS, connection and HTTP
-    errors are raised (OSError, http.client.HTTPException)."""
-    connection = PinnedHTTPS(address, port, hostname, client_context(ca, client), timeout)
+              headers: dict[str, str] | None = None,
+              proxy: list[str] | None = None) -> tuple[int, str]:
+    """GET https://hostname:port/path from `address` (through `proxy`, as PinnedHTTPS):
+    (status, body). TLS, connection and HTTP errors are raised (OSError,
+    http.client.HTTPException)."""
+    connection = PinnedHTTPS(address, port, hostname, client_context(ca, client), timeout,
+                             proxy)
     try:
         connection.request("GET", path, headers=headers or {})
         response = connection.getresponse()
@@ -82,6 +102,17 @@ def edge_client_pair(data: DonorBox | EdgeBox, edge: str) -> tuple[Path, Path]:
     return edges / f"{edge}.crt", edges / f"{edge}.key"
 
 
+def jump_socket(data: DonorBox | EdgeBox):
+    """A home donor (donorkit/tunnel.py): its SSH stream through the edge (OpenSSH's `-W`), as
+    a socket for paramiko; None for a box reached directly (an edge always is)."""
+    command = getattr(data, "ssh_proxy_command", None)
+    if not command:
+        return None
+    import paramiko
+
+    return paramiko.ProxyCommand(shlex.join(command))
+
+
 class SshRunner:
     """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
     unknown or changed host key is refused; sudo for a user other than root)."""
@@ -98,7 +129,8 @@ class SshRunner:
         self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
         self._client.connect(hostname=data.ssh_hostname, port=data.ssh_port,
                              username=data.ssh_user, key_filename=data.ssh_key,
-                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)
+                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
+                             sock=jump_socket(data))
         self._sudo = data.sudo
 
     def run(self, command: str, timeout: float = 60) -> tuple[int, str]:

@@ -89,7 +89,8 @@ def option(sock: socket.socket, name: int) -> int:
 
 def our_host_data() -> dict:
     """What donorkit/inventory.py gives pyinfra for a donor, less the fleet's own fields."""
-    box = SimpleNamespace(card=SimpleNamespace(name="rtx4090"), pyinfra_data=dict)
+    box = SimpleNamespace(card=SimpleNamespace(name="rtx4090"), pyinfra_data=dict,
+                          ssh_proxy_command=None)  # a box reached directly
     [(_, data)] = pyinfra_groups({"box": box})["donors"]
     return {key: value for key, value in data.items() if key.startswith("ssh_")}
 

@@ -54,10 +54,11 @@ def _personalize(root: Path, name: str, pubkey: str) -> None:
     (ssh / "authorized_keys").chmod(0o600)
 
 
-def boot(name: str, ns: str, again: bool = False) -> subprocess.Popen:
+def boot(name: str, ns: str, again: bool = False, tun: bool = False) -> subprocess.Popen:
     """Start the container detached (own session): `up` from the CLI returns while hosts run on.
     `again`: a second start after the first exited; its console output is appended to the
-    first's, which is kept."""
+    first's, which is kept. `tun`: the host may run WireGuard in user space (wireguard-go
+    needs /dev/net/tun and CAP_NET_ADMIN; this machine's kernel has no WireGuard module)."""
     PIP_CACHE.mkdir(parents=True, exist_ok=True)
     UV_CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -72,10 +73,20 @@ def boot(name: str, ns: str, again: bool = False) -> subprocess.Popen:
            f"--bind={UV_CACHE}:/root/.cache/uv",
            f"--bind={tmp}:/tmp",
            "--resolv-conf=off", "--link-journal=no", "--console=read-only"]
+    if tun:
+        cmd += ["--bind=/dev/net/tun", "--capability=CAP_NET_ADMIN"]
     out = open(LOGS / f"{name}.console.log", "ab" if again else "wb")
     # PID 1 of this machine is not systemd: --register=no --keep-unit keep nspawn off machined/dbus.
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def init_pid(nspawn_pid: int) -> int:
+    """The container's PID 1 (systemd), the nspawn's child."""
+    children = Path(f"/proc/{nspawn_pid}/task/{nspawn_pid}/children").read_text().split()
+    if not children:
+        raise RuntimeError(f"nspawn {nspawn_pid} has no child yet")
+    return int(children[0])
 
 
 def exited(pid: int, name: str) -> str | None:

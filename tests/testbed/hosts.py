@@ -50,6 +50,8 @@ class Host:
     ip: str
     netns: str
     pid: int | None = None  # the systemd-nspawn process on this machine
+    tun: bool = False  # may run WireGuard in user space (containers.boot)
+    behind_nat: bool = False  # a home box: no SSH from here, its console only (on_console)
 
 
 def ssh_command(host: Host | str) -> list[str]:
@@ -64,6 +66,17 @@ def ssh(host: Host | str, command: str, check: bool = True,
         timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run a shell command on a host as root; returns the completed process (text)."""
     return run([*ssh_command(host), command], check=check, quiet=True, timeout=timeout)
+
+
+def on_console(host: Host, command: str, check: bool = True,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """A shell command as root at the host's own console (its owner at the box): entered with
+    nsenter into the container's namespaces, for a home box nothing here can reach."""
+    init = containers.init_pid(host.pid)
+    return run(["nsenter", "-t", str(init), "-m", "-u", "-i", "-n", "-p", "--",
+                "/usr/bin/env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+                "/sbin:/bin", "HOME=/root", "LANG=C.UTF-8", "/bin/sh", "-c", command],
+               check=check, quiet=True, timeout=timeout)
 
 
 def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, str]:
@@ -81,9 +94,12 @@ def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, s
 
 def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
        times: dict[str, float] | None = None,
-       drivers: dict[str, str] | None = None) -> list[Host]:
+       drivers: dict[str, str] | None = None,
+       nat: Sequence[str] = (), tun: Sequence[str] = ()) -> list[Host]:
     """Bring the hosts up from scratch (anything left from an earlier run is torn down first).
-    `drivers`: {host: driver version} its stand-in nvidia-smi reports instead of a good one."""
+    `drivers`: {host: driver version} its stand-in nvidia-smi reports instead of a good one.
+    `nat`: hosts behind a home router (network.home_net_up; their address in `hosts` is the
+    router's); `tun`: hosts that may run WireGuard in user space."""
     times = {} if times is None else times
     _validate(hosts)
     apt_install_missing(TOOLS)  # first: teardown of an earlier run's leftovers may need them
@@ -94,7 +110,8 @@ def up(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
         cuda_standin.build_repo(www.WWW)
         www.build_git_repo(www.WWW)
     with phase("hosts up", times):
-        started = _start(hosts, {name: standin_gpu(name, drivers) for name, _ in hosts})
+        started = _start(hosts, {name: standin_gpu(name, drivers) for name, _ in hosts},
+                         set(nat), set(tun))
     for h in started:
         print(f"{h.name}\t{h.ip}")
     return started
@@ -113,7 +130,8 @@ def _validate(hosts: Sequence[tuple[str, str]]) -> None:
             raise ValueError(f"{name}: {ip} is not a host address in {network.SUBNET}")
 
 
-def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict]) -> list[Host]:
+def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict], nat: set[str] = frozenset(),
+           tun: set[str] = frozenset()) -> list[Host]:
     state: dict = {"http_pid": None, "hosts": []}
     network.bridge_up()
     _save(state)  # from here on, whatever exists is recorded before the next step can fail
@@ -123,19 +141,22 @@ def _start(hosts: Sequence[tuple[str, str]], gpus: dict[str, dict]) -> list[Host
     pubkey = _new_ssh_key()
     started = []
     for name, ip in hosts:
-        host = Host(name, ip, network.netns_name(name))
+        host = Host(name, ip, network.netns_name(name), tun=name in tun, behind_nat=name in nat)
         state["hosts"].append(asdict(host))
         _save(state)
-        network.host_net_up(name, ip)
+        if host.behind_nat:
+            _, host.ip = network.home_net_up(name, ip)
+        else:
+            network.host_net_up(name, ip)
         containers.prepare_root(name, pubkey, gpus[name])
-        host.pid = containers.boot(name, host.netns).pid
+        host.pid = containers.boot(name, host.netns, tun=host.tun).pid
         state["hosts"][-1] = asdict(host)
         _save(state)
         started.append(host)
 
     def restart(host: Host) -> None:
         """Start a host's nspawn once more (see _keyscan), recorded before it can fail."""
-        host.pid = containers.boot(host.name, host.netns, again=True).pid
+        host.pid = containers.boot(host.name, host.netns, again=True, tun=host.tun).pid
         state["hosts"] = [asdict(h) for h in started]
         _save(state)
 
@@ -155,15 +176,32 @@ def _new_ssh_key() -> str:
 def _wait_ready(hosts: list[Host], restart) -> None:
     """known_hosts from each sshd once it answers, then systemd must reach running/degraded."""
     deadline = time.monotonic() + READY_TIMEOUT
-    lines = [_keyscan(h, deadline, restart) for h in hosts]
+    # A home box has no known_hosts line here: its owner sends it after joining (make join).
+    lines = [_keyscan(h, deadline, restart) for h in hosts if not h.behind_nat]
     KNOWN_HOSTS.write_text("".join(lines))
     for h in hosts:
         left = max(5.0, deadline - time.monotonic())
-        state = ssh(h, "systemctl is-system-running --wait", check=False, timeout=left)
+        if h.behind_nat:
+            state = _console_when_booted(h, left)
+        else:
+            state = ssh(h, "systemctl is-system-running --wait", check=False, timeout=left)
         if state.stdout.strip() not in ("running", "degraded"):
             failed = ssh(h, "systemctl --failed --no-legend", check=False).stdout
             raise RuntimeError(f"{h.name}: systemd is {state.stdout.strip()!r}; failed: {failed}")
         log(f"{h.name} ({h.ip}): systemd {state.stdout.strip()}, sshd answers")
+
+
+def _console_when_booted(host: Host, timeout: float) -> subprocess.CompletedProcess:
+    """`systemctl is-system-running --wait` at a home box's console, once its systemd runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return on_console(host, "systemctl is-system-running --wait", check=False,
+                              timeout=max(5.0, deadline - time.monotonic()))
+        except (RuntimeError, OSError, subprocess.CalledProcessError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
 
 
 def _keyscan(host: Host, deadline: float, restart) -> str:
@@ -235,11 +273,12 @@ def status() -> list[dict]:
 @contextmanager
 def testbed(hosts: Sequence[tuple[str, str]] = DEFAULT_HOSTS,
             times: dict[str, float] | None = None,
-            drivers: dict[str, str] | None = None) -> Iterator[list[Host]]:
+            drivers: dict[str, str] | None = None,
+            nat: Sequence[str] = (), tun: Sequence[str] = ()) -> Iterator[list[Host]]:
     """Hosts up for the block, torn down after it (also on error, Ctrl-C or SIGTERM)."""
     restore = _sigterm_raises()
     try:
-        yield up(hosts, times, drivers)
+        yield up(hosts, times, drivers, nat, tun)
     finally:
         try:
             down(times)

@@ -66,6 +66,52 @@ def host_net_up(host: str, ip: str) -> str:
     return ns
 
 
+# A home network behind its router: the same private subnet in every home (that is NAT's point).
+HOME_SUBNET_PREFIX = "192.168.77"
+HOME_ROUTER_TABLE = "home_router"
+
+
+def router_netns(host: str) -> str:
+    return netns_name(f"{host}-r")
+
+
+def home_net_up(host: str, router_ip: str) -> tuple[str, str]:
+    """A home box behind NAT: a router namespace on the bridge at `router_ip` that masquerades
+    the home network (192.168.77.0/24) and forwards nothing new into it; the box's namespace has
+    192.168.77.2 and a default route via the router, nothing else. Nothing on the test network
+    (this machine and the edge included) has a route to the box: it only dials out.
+    Returns (the box's namespace, its address)."""
+    ns, router, veth = netns_name(host), router_netns(host), veth_name(router_ip)
+    home = f"{HOME_SUBNET_PREFIX}.2"
+    run(["ip", "netns", "add", router])
+    run(["ip", "netns", "add", ns])
+    run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", router])
+    run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+    run(["ip", "-n", router, "link", "set", "lo", "up"])
+    run(["ip", "-n", router, "addr", "add", f"{router_ip}/24", "dev", "eth0"])
+    run(["ip", "-n", router, "link", "set", "eth0", "up"])
+    run(["ip", "-n", router, "route", "add", "default", "via", GATEWAY])
+    run(["ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0",
+         "netns", ns])
+    run(["ip", "-n", router, "addr", "add", f"{HOME_SUBNET_PREFIX}.1/24", "dev", "lan0"])
+    run(["ip", "-n", router, "link", "set", "lan0", "up"])
+    run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    run(["ip", "-n", ns, "addr", "add", f"{home}/24", "dev", "eth0"])
+    run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+    run(["ip", "-n", ns, "route", "add", "default", "via", f"{HOME_SUBNET_PREFIX}.1"])
+    run(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+    rules = (f"table ip {HOME_ROUTER_TABLE} {{\n"
+             "  chain postrouting {\n"
+             "    type nat hook postrouting priority srcnat; policy accept;\n"
+             "    oifname \"eth0\" masquerade\n  }\n"
+             "  chain forward {\n"
+             "    type filter hook forward priority filter; policy drop;\n"
+             "    iifname \"lan0\" accept\n"
+             "    ct state established,related accept\n  }\n}\n")
+    run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules)
+    return ns, home
+
+
 def our_netns() -> list[str]:
     if not have("ip"):  # no iproute2 here: no namespace of ours can exist
         return []

@@ -247,7 +247,8 @@ def test_yaml_is_parsed_by_libyaml_with_the_same_duplicate_key_refusal() -> None
 
 
 @pytest.mark.parametrize("donors", ["inventory/donors.yml", "tests/testbed/donors.yml",
-                                    "tests/testbed/donors-cpu.yml", "gpu/engine.yml"])
+                                    "tests/testbed/donors-cpu.yml", "gpu/engine.yml",
+                                    "tests/testbed/donors-tunnel.yml"])
 def test_every_box_the_loader_makes_is_what_its_model_says(donors: str) -> None:
     """The loader builds DonorBox / EdgeBox without validating them again (model_construct:
     their parts come from validated data); validated here, strictly, field by field, so a

@@ -40,6 +40,7 @@ from testinfra.backend.local import LocalBackend
 from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
+from donorkit import transport
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.limit import LimitError, select
@@ -242,7 +243,9 @@ class KnownHostsParamikoBackend(ParamikoBackend):
     """testinfra's paramiko backend, but honouring a known_hosts file (unknown keys refused)."""
 
     def __init__(self, hostspec: str, known_hosts: str | None = None,
-                 accept_unknown: bool = False, **kwargs: object) -> None:
+                 accept_unknown: bool = False, data: DonorBox | EdgeBox | None = None,
+                 **kwargs: object) -> None:
+        self.data = data  # a home donor's: its SSH goes through an edge
         self.known_hosts = known_hosts
         self.accept_unknown = accept_unknown
         super().__init__(hostspec, **kwargs)
@@ -260,7 +263,7 @@ class KnownHostsParamikoBackend(ParamikoBackend):
         client.connect(hostname=self.host.name, port=int(self.host.port or 22),
                        username=self.host.user, key_filename=self.ssh_identity_file,
                        timeout=self.timeout, banner_timeout=self.timeout,
-                       auth_timeout=self.timeout)
+                       auth_timeout=self.timeout, sock=transport.jump_socket(self.data))
         return client
 
 
@@ -274,7 +277,7 @@ def make_host(data: DonorBox | EdgeBox, on_box: bool, known_hosts: str | None = 
     backend = KnownHostsParamikoBackend(
         f"{data.ssh_user}@{address}:{data.ssh_port}",
         known_hosts=known_hosts or data.ssh_known_hosts_file,
-        accept_unknown=accept_unknown,
+        accept_unknown=accept_unknown, data=data,
         ssh_identity_file=data.ssh_key, timeout=CONNECT_TIMEOUT_S,
         sudo=data.sudo)
     return Host(backend)

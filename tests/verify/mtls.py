@@ -37,6 +37,9 @@ def ca_file(data: DonorBox) -> Path | None:
 
 
 def get(address: str, port: int, hostname: str, path: str, ca: Path | None,
-        client: tuple[Path, Path] | None, timeout: float = 60) -> tuple[int, str]:
-    """GET https://hostname:port/path from `address` (donorkit.transport.https_get)."""
-    return transport.https_get(address, port, hostname, path, ca, client, timeout)
+        client: tuple[Path, Path] | None, timeout: float = 60,
+        proxy: list[str] | None = None) -> tuple[int, str]:
+    """GET https://hostname:port/path from `address` (donorkit.transport.https_get; a home
+    donor's through its edge: `proxy`, its data's caddy_proxy_command)."""
+    return transport.https_get(address, port, hostname, path, ca, client, timeout,
+                               proxy=proxy)

@@ -34,7 +34,7 @@ def _through_caddy(data: DonorBox, hostname: str, path: str, client: tuple) -> t
     CA, with `client`'s certificate."""
     try:
         return mtls.get(data.ssh_hostname, data.caddy_https_port, hostname, path,
-                        mtls.ca_file(data), client)
+                        mtls.ca_file(data), client, proxy=data.caddy_proxy_command)
     except OSError as exc:
         pytest.fail(f"GET {path} via {hostname} at {data.ssh_hostname}: {exc}",
                     pytrace=False)

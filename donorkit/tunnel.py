@@ -1,0 +1,502 @@
+"""Home donors behind NAT: WireGuard between a donor (`reach: tunnel`) and the edges serving its
+hostnames, each edge the hub of its tunnelled donors. What this module decides, from the
+inventory alone (no host is asked):
+
+- each tunnelled donor's and each hub edge's tunnel address: `tunnel_address` on its entry, or
+  one derived from its name (a hash into defaults.yml `tunnel.pool`), the same every run; all of
+  them inside the pool, none the pool's network or broadcast address, no two alike;
+- which edges a donor dials (those serving one of its hostnames) and which donors each edge
+  carries (those of its hostnames whose `tunnel_public_key` the operator has pasted: a donor that
+  never joined is no peer; the edge's pool still lists it, down);
+- each box's WireGuard config (templates/wireguard.conf.j2: no private key in it, the box sets
+  its own from its own file) and its nftables table (templates/tunnel.nft.j2);
+- how the operator's machine reaches a tunnelled donor: SSH to its tunnel address through the
+  edge (OpenSSH's `-W`, a ProxyCommand for pyinfra, `make verify`, `make status` and the
+  rollout);
+- the join file the operator hands the donor's owner (edges' endpoints and public keys, the
+  donor's address: nothing secret) and its validation on the box (`inventory/join.py`).
+
+Key pairs are made on each box (`wg genkey`, tasks/tunnel.py); the private key never leaves it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import ipaddress
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
+
+from donorkit.values import DebPackage, Name, Port, SshHost, Strict, Text
+
+if TYPE_CHECKING:  # donorkit.schema imports this module's value types: host_data imports schema
+    from donorkit.host_data import DonorBox, DonorTunnel, EdgeBox, EdgeTunnel, SshJump
+
+KEY_DIR = "/etc/wireguard"
+# Our own nftables table on a box: created and replaced whole by tasks/tunnel.py's file, never
+# anyone else's rules (Debian's nftables.service flushes the whole ruleset: not used).
+NFT_TABLE = "uncloseai_tunnel"
+
+
+# ------------------------------------------------------------------ value types --------------
+
+
+def _wg_key(text: str) -> str:
+    """A WireGuard public key: base64 of 32 bytes (what `wg pubkey` prints)."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(text) != 44 or len(raw) != 32:
+        raise ValueError(f"{text!r} is not a WireGuard public key (44 characters of base64, "
+                         "what `wg pubkey` prints)")
+    return text
+
+
+WgKey = Annotated[str, AfterValidator(_wg_key)]
+
+
+def _interface(text: str) -> str:
+    # wg-quick's own rule for an interface name (its config file's name), within IFNAMSIZ.
+    if not re.fullmatch(r"[a-zA-Z0-9_=+.-]{1,15}", text):
+        raise ValueError(f"{text!r} is not an interface name wg-quick accepts (1-15 of "
+                         "letters, digits and _=+.-)")
+    return text
+
+
+WgInterface = Annotated[str, AfterValidator(_interface)]
+
+
+def _pool(text: str) -> str:
+    try:
+        network = ipaddress.IPv4Network(text, strict=True)
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not an IPv4 network (a.b.c.d/len, host bits 0): "
+                         f"{exc}") from None
+    if not network.is_private or network.prefixlen > 28:
+        raise ValueError(f"{text!r}: the tunnel pool must be a private IPv4 network of /28 or "
+                         "larger")
+    return text
+
+
+TunnelPool = Annotated[str, AfterValidator(_pool)]
+
+
+def _address(text: str) -> str:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IPv4 address") from None
+    return text
+
+
+TunnelAddress = Annotated[str, AfterValidator(_address)]
+KeepaliveSeconds = Annotated[int, Field(ge=1, le=600)]
+
+
+def _endpoint(text: str) -> str:
+    """host:port (an IPv6 address in brackets), the host as the inventory's ssh_host."""
+    from pydantic import TypeAdapter
+
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not host:port")
+    TypeAdapter(SshHost).validate_python(host.removeprefix("[").removesuffix("]"))
+    return text
+
+
+# ------------------------------------------------------------------ the plan -----------------
+
+
+class TunnelError(Exception):
+    """A mistake in the tunnel data: (where, field, problem), turned into one line by fleet.py."""
+
+    def __init__(self, where: str, field: str, problem: str) -> None:
+        super().__init__(f"{where}: field '{field}': {problem}")
+        self.where, self.field, self.problem = where, field, problem
+
+
+def derived_address(pool: str, name: str) -> str:
+    """The address a name gets in the pool when its entry sets none: sha256 of the name onto the
+    pool's host addresses (never the network or broadcast address). Stable: adding or removing
+    another box never moves it."""
+    network = ipaddress.IPv4Network(pool)
+    hosts = network.num_addresses - 2
+    index = 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % hosts
+    return str(network.network_address + index)
+
+
+def check_address(pool: str, address: str) -> str | None:
+    """Why `address` cannot be a box's tunnel address in `pool`, or None."""
+    network = ipaddress.IPv4Network(pool)
+    ip = ipaddress.IPv4Address(address)
+    if ip not in network:
+        return f"{address} is not inside the tunnel pool {pool}"
+    if ip in (network.network_address, network.broadcast_address):
+        which = "network" if ip == network.network_address else "broadcast"
+        return f"{address} is the pool's {which} address"
+    return None
+
+
+def endpoint(host: str, port: int) -> str:
+    """host:port as WireGuard's Endpoint reads it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str, str]) -> None:
+    """Give every tunnelled donor and every hub edge its `tunnel` data, or raise TunnelError.
+    The boxes are frozen models: each one that changes is replaced in its dict by a copy with
+    its tunnel fields (`model_copy(update=...)`: the values are made here from validated data).
+    `where` names each host's entry for the message ("donors.yml: donor 'x'"). Before this, a
+    box holds `reach` (donors), `tunnel_address` (its entry's, or None), `tunnel_public_key`
+    (pasted by the operator, or None), `tunnel_settings` and, on an edge, `tunnel_endpoint`."""
+    from donorkit.host_data import DonorTunnel, EdgeTunnel, SshJump, TunnelPeer
+
+    tunnelled = {name: box for name, box in fleet.items() if box.reach == "tunnel"}
+    if not tunnelled:
+        return
+    taken: dict[str, str] = {}
+    hubs: dict[str, list[str]] = {edge: [] for edge in edges}
+    dials: dict[str, list[str]] = {}
+    for name, box in sorted(tunnelled.items()):
+        hostnames = {route.hostname for route in box.routes}
+        serving = sorted(edge for edge, ebox in edges.items()
+                         if hostnames & {site.hostname for site in ebox.sites})
+        if not serving:
+            raise TunnelError(where[name], "reach", "a tunnelled donor is reached only through "
+                              "an edge, and no edge serves its hostnames "
+                              f"({', '.join(sorted(hostnames))})")
+        dials[name] = serving
+        for edge in serving:
+            hubs[edge].append(name)
+    members: list[tuple[str, DonorBox | EdgeBox]] = [
+        *sorted(tunnelled.items()), *((e, edges[e]) for e in sorted(hubs) if hubs[e])]
+    addresses: dict[str, str] = {}
+    for name, box in members:
+        pool = box.tunnel_settings.pool
+        field = "tunnel_address"
+        address = box.tunnel_address or derived_address(pool, name)
+        problem = check_address(pool, address)
+        if problem:
+            raise TunnelError(where[name], field, problem)
+        if address in taken:
+            raise TunnelError(where[name], field, (
+                f"{address} is also the tunnel address of {taken[address]}"
+                + ("" if box.tunnel_address else
+                   " (derived from both names): set tunnel_address on one of them")))
+        taken[address] = where[name].rsplit(": ", 1)[-1]
+        addresses[name] = address
+    pools = {box.tunnel_settings.pool for _, box in members}
+    if len(pools) > 1:
+        name = sorted(tunnelled)[0]
+        raise TunnelError(where[name], "overrides.tunnel.pool",
+                          f"one tunnel pool for the whole fleet, not {', '.join(sorted(pools))}")
+    for edge, donors in hubs.items():
+        if not donors:
+            continue
+        ebox = edges[edge]
+        settings = ebox.tunnel_settings
+        network = ipaddress.IPv4Network(settings.pool)
+        edges[edge] = ebox.model_copy(update={
+            "tunnel_address": addresses[edge],
+            "tunnel": EdgeTunnel.model_construct(
+                role="edge",
+                entry=f"edge '{edge}'",
+                interface=settings.interface,
+                address=addresses[edge],
+                prefixlen=network.prefixlen,
+                listen_port=settings.port,
+                public_key=ebox.tunnel_public_key,
+                # A donor whose key the operator has not pasted yet has not joined: no peer.
+                peers=[TunnelPeer.model_construct(
+                    name=donor, public_key=fleet[donor].tunnel_public_key,
+                    address=addresses[donor], endpoint=None)
+                    for donor in donors if fleet[donor].tunnel_public_key],
+                waiting=[donor for donor in donors if not fleet[donor].tunnel_public_key],
+                packages=list(settings.packages),
+                userspace_package=settings.userspace_package,
+                handshake_max_age=settings.handshake_max_age,
+            )})
+    for name, box in tunnelled.items():
+        settings = box.tunnel_settings
+        address = addresses[name]
+        peers = [TunnelPeer.model_construct(
+            name=edge, public_key=edges[edge].tunnel_public_key, address=addresses[edge],
+            endpoint=endpoint(edges[edge].tunnel_endpoint, settings.port))
+            for edge in dials[name]]
+        # The operator's machine reaches the box at its tunnel address, through the first edge
+        # of its hubs that has joined the tunnel (SSH -W: a TCP stream through the edge's sshd).
+        jump = next((edges[edge] for edge in dials[name] if edges[edge].tunnel_public_key),
+                    edges[dials[name][0]])
+        fleet[name] = box.model_copy(update={
+            "tunnel_address": address,
+            "tunnel_hubs": dials[name],
+            "tunnel": DonorTunnel.model_construct(
+                role="donor",
+                entry=f"donor '{name}'",
+                interface=settings.interface,
+                address=address,
+                keepalive=settings.keepalive,
+                watch_interval=settings.watch_interval,
+                public_key=box.tunnel_public_key,
+                # An edge whose key the operator has not pasted yet (its first deploy prints
+                # it) cannot be dialled: left out until it has one.
+                peers=[peer for peer in peers if peer.public_key],
+                allowed_ports=[box.caddy_https_port, box.ssh_port],
+                packages=list(settings.packages),
+                userspace_package=settings.userspace_package,
+                handshake_max_age=settings.handshake_max_age,
+            ),
+            "ssh_hostname": address,
+            "ssh_proxy_command": proxy_command(jump, address, box.ssh_port),
+            # ... and its Caddy (make status, the rollout's checks), through the same edge.
+            "caddy_proxy_command": proxy_command(jump, address, box.caddy_https_port),
+            "ssh_jump": jump.edge_name,
+            "ssh_jump_data": SshJump.model_construct(
+                ssh_hostname=jump.ssh_hostname, ssh_port=jump.ssh_port,
+                ssh_user=jump.ssh_user, ssh_key=jump.ssh_key,
+                ssh_known_hosts_file=jump.ssh_known_hosts_file),
+        })
+
+
+def proxy_command(jump: EdgeBox | SshJump, target: str, port: int) -> list[str]:
+    """OpenSSH's `ssh -W target:port` through the edge, with the edge's own SSH data (its key,
+    its known_hosts file; an unknown or changed host key refused, never a prompt)."""
+    words = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+             "-o", "ConnectTimeout=10", "-p", str(jump.ssh_port)]
+    if jump.ssh_key:
+        words += ["-i", jump.ssh_key, "-o", "IdentitiesOnly=yes"]
+    if jump.ssh_known_hosts_file:
+        words += ["-o", f"UserKnownHostsFile={jump.ssh_known_hosts_file}"]
+    words += ["-W", f"{target}:{port}", f"{jump.ssh_user}@{jump.ssh_hostname}"]
+    return words
+
+
+def ssh_config(data: DonorBox) -> str:
+    """An ssh_config (pyinfra's `ssh_config_file` host data) for a tunnelled donor: its tunnel
+    address through the edge as a ProxyJump, which pyinfra makes with paramiko itself (a
+    direct-tcpip channel through the edge's sshd). Not a ProxyCommand: paramiko's ProxyCommand
+    counts a partial write to the command's stdin as whole, and under pyinfra's gevent the pipe
+    takes partial writes: the stream was corrupted ("Corrupted MAC on input") mid-deploy. The
+    edge's entry carries its own key and known_hosts file (an unknown host key refused)."""
+    jump = data.ssh_jump_data
+    if jump is None:
+        raise ValueError(f"donor {data.donor_name} is not reached through an edge")
+    alias = f"uncloseai-jump-{data.ssh_jump}"
+    lines = [f"# Written by the uncloseai inventory for donor {data.donor_name}: its SSH goes "
+             f"through edge {data.ssh_jump}.",
+             f"Host {alias}", f"    HostName {jump.ssh_hostname}",
+             f"    User {jump.ssh_user}", "    StrictHostKeyChecking yes",
+             "    ConnectTimeout 10"]
+    if int(jump.ssh_port) != 22:
+        # Only when not 22: pyinfra 3.10 passes a hop's Port as the config's string, and
+        # paramiko then looks its host key up as "[host]:22", which known_hosts never holds.
+        lines.append(f"    Port {jump.ssh_port}")
+    if jump.ssh_key:
+        lines.append(f"    IdentityFile {_ssh_config_word(jump.ssh_key)}")
+    if jump.ssh_known_hosts_file:
+        lines.append(f"    UserKnownHostsFile {_ssh_config_word(jump.ssh_known_hosts_file)}")
+    lines += [f"Host {data.ssh_hostname}", f"    ProxyJump {alias}",
+              "    StrictHostKeyChecking yes", ""]
+    return "\n".join(lines)
+
+
+def _ssh_config_word(path: str) -> str:
+    """A path as one ssh_config word (paramiko splits on whitespace; quotes group)."""
+    if '"' in path:
+        raise ValueError(f"{path!r}: a double quote cannot be in an ssh_config path")
+    return f'"{path}"' if any(c.isspace() for c in path) else path
+
+
+def write_ssh_config(data: DonorBox, directory: Path) -> str:
+    """ssh_config(data) in `directory` (made 0700), rewritten only when it differs; its path."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / f"{data.donor_name}.ssh_config"
+    text = ssh_config(data)
+    if not path.exists() or path.read_text() != text:
+        staged = path.with_suffix(".tmp")
+        staged.write_text(text)
+        staged.replace(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------ files on a box -----------
+
+
+def paths(tunnel: DonorTunnel | EdgeTunnel) -> dict[str, str]:
+    """The files of a box's tunnel, all under /etc/wireguard (root only)."""
+    return interface_paths(tunnel.interface)
+
+
+def interface_paths(interface: str) -> dict[str, str]:
+    """The files of the tunnel on `interface`."""
+    base = f"{KEY_DIR}/{interface}"
+    return {"conf": f"{base}.conf", "key": f"{base}.key", "public": f"{base}.pub",
+            "nft": f"{base}.nft"}
+
+
+def unit(tunnel: DonorTunnel | EdgeTunnel) -> str:
+    return f"wg-quick@{tunnel.interface}.service"
+
+
+def render_conf(tunnel: DonorTunnel | EdgeTunnel) -> str:
+    from donorkit.render import _environment  # render reads the host data's types: not at import
+
+    return _environment().get_template("wireguard.conf.j2").render(
+        tunnel=tunnel, paths=paths(tunnel), nft_table=NFT_TABLE)
+
+
+WATCH_UNIT = "uncloseai-tunnel-watch.service"
+
+
+def render_watch_unit(tunnel: DonorTunnel) -> str:
+    """A home donor's watch: one ping to each edge through the tunnel every watch_interval s
+    (templates/tunnel-watch.service.j2 says why)."""
+    from donorkit.render import _environment
+
+    return _environment().get_template("tunnel-watch.service.j2").render(
+        tunnel=tunnel, unit=unit(tunnel), edges=[peer.address for peer in tunnel.peers])
+
+
+def render_nft(tunnel: DonorTunnel | EdgeTunnel) -> str:
+    from donorkit.render import _environment
+
+    return _environment().get_template("tunnel.nft.j2").render(
+        tunnel=tunnel, nft_table=NFT_TABLE, edges=[peer.address for peer in tunnel.peers])
+
+
+# ------------------------------------------------------------------ joining ------------------
+
+
+def join_document(data: DonorBox) -> dict[str, Any]:
+    """The join file of a tunnelled donor (written on the operator's machine, run on the box):
+    the donor's own tunnel data, nothing secret (public keys, addresses, ports)."""
+    assert data.tunnel is not None
+    return {"donor": data.donor_name, "tunnel": data.tunnel.model_dump(
+        include=set(JoinTunnel.model_fields))}
+
+
+class JoinPeer(Strict):
+    name: Name
+    public_key: WgKey
+    address: TunnelAddress
+    endpoint: Annotated[str, AfterValidator(_endpoint)]
+
+
+class JoinTunnel(Strict):
+    role: Literal["donor"]
+    entry: Text
+    interface: WgInterface
+    address: TunnelAddress
+    keepalive: KeepaliveSeconds
+    watch_interval: KeepaliveSeconds
+    peers: Annotated[list[JoinPeer], Field(min_length=1)]
+    allowed_ports: Annotated[list[Port], Field(min_length=1)]
+    packages: list[DebPackage]
+    userspace_package: DebPackage
+    handshake_max_age: Annotated[int, Field(ge=30, le=3600)]
+
+
+class JoinFile(Strict):
+    """A join file (`make join-file` writes it, `make join` reads it on the box)."""
+
+    donor: Name
+    tunnel: JoinTunnel
+
+
+def read_join_file(path: Path) -> dict:
+    """The join file's tunnel data, validated, or one line naming the file and the field."""
+    from pydantic import ValidationError
+
+    from donorkit.inventory_files import FleetError, _field, read_yaml
+
+    doc = read_yaml(path)
+    try:
+        model = JoinFile.model_validate(doc)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise FleetError(f"{path}: field '{_field(error['loc'])}': "
+                         f"{error['msg'].removeprefix('Value error, ')}") from None
+    return model.model_dump()
+
+
+def write_join_file(name: str, fleet: dict[str, DonorBox], out: Path) -> str:
+    """Write donor `name`'s join file at `out` (a new file); the problem in one line, or ''."""
+    import yaml
+
+    data = fleet.get(name)
+    if data is None or data.reach != "tunnel" or data.tunnel is None:
+        return f"{name}: not a donor with reach: tunnel in the donors file"
+    waiting = [peer.name for peer in data.tunnel.peers if not peer.public_key]
+    dials = {peer.name for peer in data.tunnel.peers}
+    missing = sorted(set(data.tunnel_hubs) - dials) + waiting
+    if missing or not data.tunnel.peers:
+        return (f"{name}: edge(s) {', '.join(missing) or '?'} have no tunnel_public_key yet: "
+                "deploy them first (their deploy prints the key to paste)")
+    document = join_document(data)
+    JoinFile.model_validate(document)
+    with open(out, "x") as handle:
+        handle.write(f"# Join file of donor {name}: run `sudo make join JOIN={out.name}` on the "
+                     "box (nothing secret here).\n")
+        yaml.safe_dump(document, handle, sort_keys=False)
+    return ""
+
+
+def box_lines(join: dict) -> str:
+    """What the owner sends the operator after joining: the box's tunnel key and its SSH host
+    key at its tunnel address (public keys: nothing secret)."""
+    tunnel = join["tunnel"]
+    public = Path(interface_paths(tunnel["interface"])["public"]).read_text().strip()
+    host_keys = sorted(Path("/etc/ssh").glob("ssh_host_ed25519_key.pub"))
+    lines = [f"tunnel_public_key: {public}"]
+    for key in host_keys:
+        kind, blob = key.read_text().split()[:2]
+        lines.append(f"known_hosts: {tunnel['address']} {kind} {blob}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m donorkit.tunnel", description=(
+        "join-file DONOR OUT: write a home donor's join file (operator's machine); "
+        "box-keys JOIN: print the joined box's public keys for the operator (on the box)"))
+    parser.add_argument("action", choices=["join-file", "box-keys"])
+    parser.add_argument("args", nargs="+")
+    args = parser.parse_args(argv)
+    from donorkit.fleet import FleetError
+
+    if args.action == "join-file":
+        from donorkit.inventory import inventory_or_exit
+
+        if len(args.args) != 2:
+            parser.error("join-file DONOR OUT")
+        fleet, _ = inventory_or_exit(require_local_sources=False, require_revisions=False)
+        out = Path(args.args[1])
+        if out.exists():
+            print(f"join-file: {out} already exists", file=sys.stderr)
+            return 2
+        problem = write_join_file(args.args[0], fleet, out)
+        if problem:
+            print(f"join-file: {problem}", file=sys.stderr)
+            return 2
+        print(f"join-file: wrote {out}: give it to the box's owner with this checkout; on the "
+              f"box, as root: make join JOIN={out.name}")
+        return 0
+    try:
+        join = read_join_file(Path(args.args[0]))
+    except FleetError as exc:
+        print(f"join error: {exc}", file=sys.stderr)
+        return 2
+    print("Send these lines to the network's operator (public keys, nothing secret):")
+    print(box_lines(join))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
