@@ -118,7 +118,7 @@ def test_edge_reaches_donor_with_its_client_certificate(edge_host: Host, edge_da
         pytest.fail(f"{upstream}'s model for {site} is not serving (its Caddy answered 502)",
                     pytrace=False)
     assert code == "200", f"{upstream} for {site}: HTTP {code} {body[:200]}"
-    assert [m["id"] for m in json.loads(body)["data"]] == [entry["checkpoint"]]
+    assert [m["id"] for m in json.loads(body)["data"]] == [entry.checkpoint]
 
 
 def test_donor_refuses_a_client_without_certificate(host: Host, data: DonorBox,
