@@ -110,11 +110,19 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def unit_settings(unit_text: str) -> str:
+    """The unit less its comments: what the engine runs with (the header comment names the box,
+    which must not make boxes of one stack look different)."""
+    return "\n".join(line for line in unit_text.splitlines()
+                     if not line.lstrip().startswith(("#", ";")))
+
+
 def stack_key(kernels: UnitKernels, distributions: dict[str, str], nvcc: str,
               machine: str) -> str:
     """One line naming everything the kernels depend on."""
     venv = ",".join(f"{name}=={version}" for name, version in sorted(distributions.items()))
-    return (f"unit-{digest(kernels.unit_text)} {kernels.checkpoint}@{kernels.revision or 'local'} "
+    return (f"unit-{digest(unit_settings(kernels.unit_text))} "
+            f"{kernels.checkpoint}@{kernels.revision or 'local'} "
             f"venv-{digest(venv)} vllm-{distributions.get('vllm')} "
             f"flashinfer-{distributions.get('flashinfer-python')} nvcc-{nvcc} sm-{kernels.arch} "
             f"{kernels.distro} {machine}")

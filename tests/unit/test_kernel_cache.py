@@ -28,14 +28,18 @@ KERNEL = ".cache/flashinfer/0.6.14/89/cached_ops/batch_prefill_f16/batch_prefill
 class Box:
     """A box as folders: the service user's home, the venv (with FlashInfer's package), state."""
 
-    def __init__(self, root: Path, name: str, cache: Path, unit_text: str = "[Service]\n"):
+    def __init__(self, root: Path, name: str, cache: Path, unit_text: str = ""):
         self.name, self.root = name, root / name
         self.home = self.root / "home/fox"
         self.site = self.root / "venv/lib/python3.12/site-packages"
         (self.site / "flashinfer/data").mkdir(parents=True)
         self.home.mkdir(parents=True)
         self.kernels = UnitKernels(
-            unit="vllm-qwen.service", unit_text=unit_text, checkpoint="org/qwen",
+            unit="vllm-qwen.service",
+            # Rendered units name their box in the header comment (donorkit/render.py).
+            unit_text=unit_text or f"# Managed by the uncloseai donor deploy ({name}).\n"
+                                   "[Service]\nEnvironment=MAX_JOBS=2\n",
+            checkpoint="org/qwen",
             revision="4ff9003a3365", arch="8.9", distro="ubuntu24.04",
             venv_dir=str(self.root / "venv"), cuda_home="/usr/local/cuda-13.3",
             home=str(self.home), service_user=getpass.getuser(),
@@ -122,7 +126,7 @@ def test_another_unit_is_another_stack(boxes, tmp_path: Path) -> None:
     first.run(ship_kernels)
     engine_first_start(first)
     first.run(keep_kernels)
-    other = Box(tmp_path, "box-c", cache, unit_text="[Service]\nEnvironment=MAX_JOBS=2\n")
+    other = Box(tmp_path, "box-c", cache, unit_text="[Service]\nEnvironment=MAX_JOBS=4\n")
     other.run(ship_kernels)
     assert not (other.site / "flashinfer/data/aot").exists()  # nothing of that stack cached
     assert kernel_cache.stack_key(other.kernels, VENV, "13.3", "x86_64") != \
