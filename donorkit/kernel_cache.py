@@ -19,10 +19,11 @@ Where each part goes on the box:
 - the rest (`~/.cache/vllm`, `~/.triton/cache`, `~/.nv/ComputeCache`: their entries are keyed by
   content hashes) into the service user's home, owned by it.
 
-A stack here is everything the kernels depend on: the rendered unit (flags and environment), the
-model's checkpoint and revision, the venv's distributions (vLLM, torch, FlashInfer, Triton...),
-nvcc's release, the card's arch, the distro and the CPU architecture. Cache layout on the
-operator's machine (the git-ignored `engine_kernel_cache`):
+A stack here is everything the kernels depend on: the rendered unit's settings (flags and
+environment), the model's checkpoint and revision, the versions of the venv's engine and
+compilers (vLLM, torch, Triton, FlashInfer...: KERNEL_DISTRIBUTIONS), nvcc's release, the card's
+arch, the distro and the CPU architecture. Cache layout on the operator's machine (the
+git-ignored `engine_kernel_cache`):
 
     <cache>/<stack id>/kernels.tar, kernels.tar.sha256 (sha256sum output), stack.txt
 
@@ -117,10 +118,18 @@ def unit_settings(unit_text: str) -> str:
                      if not line.lstrip().startswith(("#", ";")))
 
 
+# The venv's distributions whose versions decide what a first start compiles: the engine, the
+# compilers it drives (torch's inductor, Triton, FlashInfer with its TVM FFI headers, CUTLASS's
+# DSL) and the plugin and kernels it loads. Not the whole venv: boxes of one stack differ in
+# what only a build needed (the first box builds exllamav3; the others get its wheel).
+KERNEL_DISTRIBUTIONS = ("vllm", "torch", "triton", "flashinfer-python", "apache-tvm-ffi",
+                        "nvidia-cutlass-dsl", "exllamav3", "vllm-exl3")
+
+
 def stack_key(kernels: UnitKernels, distributions: dict[str, str], nvcc: str,
               machine: str) -> str:
     """One line naming everything the kernels depend on."""
-    venv = ",".join(f"{name}=={version}" for name, version in sorted(distributions.items()))
+    venv = ",".join(f"{name}=={distributions.get(name)}" for name in KERNEL_DISTRIBUTIONS)
     return (f"unit-{digest(unit_settings(kernels.unit_text))} "
             f"{kernels.checkpoint}@{kernels.revision or 'local'} "
             f"venv-{digest(venv)} vllm-{distributions.get('vllm')} "

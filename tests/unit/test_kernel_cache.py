@@ -133,6 +133,19 @@ def test_another_unit_is_another_stack(boxes, tmp_path: Path) -> None:
         kernel_cache.stack_key(first.kernels, VENV, "13.3", "x86_64")
 
 
+def test_what_only_a_build_needed_does_not_split_a_stack(boxes) -> None:
+    """The first box of a stack builds exllamav3 (its venv gets what that build needed); later
+    boxes install its wheel: their venvs differ there, their kernels do not (the testbed's
+    tb-4090b once found no kernels of tb-4090's stack for that)."""
+    first, second, _ = boxes
+    built_here = {**VENV, "setuptools": "80.9.0", "wheel": "0.48.0"}
+    assert kernel_cache.stack_key(first.kernels, built_here, "13.3", "x86_64") == \
+        kernel_cache.stack_key(second.kernels, VENV, "13.3", "x86_64")
+    assert kernel_cache.stack_key(first.kernels, {**VENV, "torch": "2.12.0"}, "13.3",
+                                  "x86_64") != \
+        kernel_cache.stack_key(first.kernels, VENV, "13.3", "x86_64")
+
+
 def test_an_upload_that_does_not_match_the_cache_is_not_used(boxes) -> None:
     first, second, cache = boxes
     first.run(ship_kernels)
