@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     first = next(iter(fleet.values()))
     results_dir = Path(args.results) if args.results else \
-        REPO_ROOT / first["acceptance"]["results_dir"]
+        REPO_ROOT / first.acceptance.results_dir
     gone: dict[str, str] = {}
     records = asyncio.run(run(targets, results_dir, unreachable_out=gone))
     if records:
