@@ -77,9 +77,9 @@ lock: venv
 #                                      the box's public keys for the operator
 join-file: venv
 	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make join-file HOST=<donor> OUT=<file>" >&2; exit 2; }
-	$(BIN)/python -m donorkit.tunnel join-file "$(HOST)" "$(OUT)"
+	$(BIN)/python -m donorkit.tunnel_join join-file "$(HOST)" "$(OUT)"
 
 join: venv
 	@test -n "$(JOIN)" || { echo "usage: make join JOIN=<join file>" >&2; exit 2; }
 	JOIN_FILE="$(JOIN)" $(BIN)/pyinfra -y inventory/join.py deploy.py
-	$(BIN)/python -m donorkit.tunnel box-keys "$(JOIN)"
+	$(BIN)/python -m donorkit.tunnel_join box-keys "$(JOIN)"

@@ -13,7 +13,7 @@ from donorkit import schema
 from donorkit.fleet import DEFAULTS_FILE, FleetError, read_yaml
 from donorkit.host_data import DonorTunnel, TunnelPeer
 from donorkit.inventory_files import validate
-from donorkit.tunnel import read_join_file
+from donorkit.tunnel_join import read_join_file
 
 try:
     _join = read_join_file(Path(os.environ.get("JOIN_FILE") or "JOIN_FILE is not set"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import render, tunnel
+from donorkit import render, tunnel, tunnel_join
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.tunnel_operations import (
@@ -213,29 +213,30 @@ def test_a_direct_donor_may_not_carry_tunnel_fields(tmp_path: Path) -> None:
 def test_the_join_file(tmp_path: Path) -> None:
     fleet, _ = load_inventory(donors_file(tmp_path))
     out = tmp_path / "join.yml"
-    assert tunnel.write_join_file("tb-home", fleet, out) == ""
+    assert tunnel_join.write_join_file("tb-home", fleet, out) == ""
     text = out.read_text()
     assert "PRIVATE" not in text.upper() and KEY_A in text
-    joined = tunnel.read_join_file(out)
+    joined = tunnel_join.read_join_file(out)
     assert joined["tunnel"]["address"] == fleet["tb-home"].tunnel_address
     assert joined["tunnel"]["peers"][0]["endpoint"] == "10.213.0.20:51820"
     with pytest.raises(FileExistsError):  # never over an existing file
-        tunnel.write_join_file("tb-home", fleet, out)
+        tunnel_join.write_join_file("tb-home", fleet, out)
     # A tampered join file is one line naming the file and the field.
     doc = yaml.safe_load(text)
     doc["tunnel"]["peers"][0]["endpoint"] = "10.213.0.20:51820; rm -rf /"
     out.write_text(yaml.safe_dump(doc))
     with pytest.raises(FleetError, match=r"join.yml: field 'tunnel.peers.0.endpoint'"):
-        tunnel.read_join_file(out)
+        tunnel_join.read_join_file(out)
 
 
 def test_no_join_file_before_the_edge_has_its_key(tmp_path: Path) -> None:
     fleet, _ = load_inventory(donors_file(
         tmp_path, lambda d: d["edges"]["tb-edge"].pop("tunnel_public_key")))
-    problem = tunnel.write_join_file("tb-home", fleet, tmp_path / "join.yml")
+    problem = tunnel_join.write_join_file("tb-home", fleet, tmp_path / "join.yml")
     assert "tb-edge have no tunnel_public_key yet" in problem
     assert not (tmp_path / "join.yml").exists()
-    assert "not a donor with reach: tunnel" in tunnel.write_join_file("tb-x", fleet, tmp_path / "j")
+    problem = tunnel_join.write_join_file("tb-x", fleet, tmp_path / "j")
+    assert "not a donor with reach: tunnel" in problem
 
 
 # ------------------------------------------------------------------ operations ----------------
