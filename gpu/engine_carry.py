@@ -33,9 +33,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS  # noqa: E402
+from donorkit.paths import REPO_ROOT as REPO
+from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS
 
 WORK = REPO / ".gpu-engine"
 STAGE, CARRY, CACHE = WORK / "stage", WORK / "carry", WORK / "cache"
@@ -212,7 +211,7 @@ def main() -> int:
     render_units()
     chunks = split_into_chunks()
     size = sum((c / "part").stat().st_size for c in chunks)
-    print(f"{len(chunks)} chunks, {size / 2**20:.0f} MiB: `python3 gpu/engine_run.py receive` "
+    print(f"{len(chunks)} chunks, {size / 2**20:.0f} MiB: `python3 -m gpu.engine_run receive` "
           f"with carry=['.gpu-engine/carry/NN'], one call each; the last one also `launch` and "
           f"`follow` (docs/gpu.md)")
     return 0

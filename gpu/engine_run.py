@@ -1,13 +1,14 @@
 """The real vLLM 0.26.0 engine, started from the units `make render` writes, on the lent GPU
 machine (the `device` tool's H200: torch 2.11.0+cu130, no vLLM, no network, no systemd).
 
-    python3 gpu/engine_run.py receive     # each carry call: keep .gpu-engine/carry/NN/part
-    python3 gpu/engine_run.py launch      # unpack, then run everything in the background
-    python3 gpu/engine_run.py follow      # print progress until done (or --max seconds)
+    python3 -m gpu.engine_run receive     # each carry call: keep .gpu-engine/carry/NN/part
+    python3 -m gpu.engine_run launch      # unpack, then run everything in the background
+    python3 -m gpu.engine_run follow      # print progress until done (or --max seconds)
 
 Built on the operator's machine by gpu/engine_carry.py; the README's "The real engine on a GPU"
 gives the calls. What runs, in order (the background daemon; results under /root/engine/results,
 copied to $OUT by `follow`):
+Steps 1-3 and the shipped-kernels box are gpu/engine_box.py.
 1. install: a venv at the units' venv_dir that sees the image's site-packages (torch 2.11.0+cu130),
    with only the carried wheels the image lacks or holds at a version outside vLLM's set
    (requirements.json), installed --no-deps --no-index; ninja and vllm always into the venv (the
@@ -45,24 +46,33 @@ import hashlib
 import json
 import os
 import pwd
-import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path("/root/engine")
-CHUNKS, STAGE, RESULTS, REPO = ROOT / "chunks", ROOT / "stage", ROOT / "results", ROOT / "repo"
+from gpu.engine_box import (
+    CACHE_COPY,
+    ROOT,
+    STAGE,
+    driver_library,
+    hub_cache,
+    install,
+    keep_caches,
+    service_user,
+    shipped_kernels_box,
+    toolkit,
+    wipe_caches,
+)
+from gpu.engine_checks import Monitor, http, serving_checks
+from gpu.engine_results import table
+
+CHUNKS, RESULTS, REPO = ROOT / "chunks", ROOT / "results", ROOT / "repo"
 PROGRESS = RESULTS / "progress.log"
-CACHE_COPY = ROOT / "qwen-caches.tar"
 HERE = Path(__file__).resolve().parent.parent
 CARRY = HERE / ".gpu-engine" / "carry"
 UNITS = {"qwen": "render/h200-qwen/etc/systemd/system/vllm-qwen.service",
@@ -112,243 +122,7 @@ def without(argv: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------ set-up ----------------------
-
-def install(venv: Path) -> dict:
-    started = time.monotonic()
-    image_site = subprocess.run(
-        ["python3", "-c", "import os, torch; print(os.path.dirname(os.path.dirname("
-         "torch.__file__)))"], capture_output=True, text=True, check=True).stdout.strip()
-    if not (venv / "bin/python").exists():
-        subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = subprocess.run([venv / "bin/python", "-c", "import sysconfig; print(sysconfig."
-                           "get_paths()['purelib'])"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    Path(site, "image-site.pth").write_text(image_site + "\n")
-    table = json.loads((STAGE / "requirements.json").read_text())["carried"]
-    check = (
-        "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
-        "from packaging.specifiers import SpecifierSet\n"
-        "table = json.load(open(sys.argv[1]))['carried']\nneed = []\n"
-        "for name, e in sorted(table.items()):\n"
-        "    try:\n        have = version(name)\n    except PackageNotFoundError:\n"
-        "        have = None\n"
-        "    ok = have is not None and all(have in SpecifierSet(s, prereleases=True) "
-        "for s in e['specifiers'])\n"
-        "    if not ok or name in ('vllm', 'ninja'):\n        need.append([name, have])\n"
-        "print(json.dumps(need))\n")
-    need = json.loads(subprocess.run([venv / "bin/python", "-c", check,
-                                      STAGE / "requirements.json"], capture_output=True,
-                                     text=True, check=True).stdout)
-    wheels = [str(STAGE / "wheels" / table[name]["wheel"]) for name, _ in need]
-    # --ignore-installed: ninja and vllm go into the venv even where the image has them.
-    subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--ignore-installed", "--no-compile", "--disable-pip-version-check", *wheels],
-                   check=True)
-    os.chmod(venv, 0o755)
-    probe = subprocess.run([venv / "bin/python", "-c", "import vllm, vllm.entrypoints.openai."
-                            "api_server; print(vllm.__version__)"], capture_output=True, text=True)
-    return {"import": (probe.stdout + probe.stderr).strip()[-600:],
-            "installed": {n: [h, table[n]["version"]] for n, h in need},
-            "seconds": round(time.monotonic() - started, 1), "image_site": image_site}
-
-
-def driver_library() -> str:
-    """A donor's driver puts libcuda in the loader's path; this image mounts it elsewhere and
-    finds it through its own LD_LIBRARY_PATH, which a unit's LD_LIBRARY_PATH replaces. Register
-    its folder with ld.so, as a driver install does (the units stay as rendered)."""
-    if "libcuda.so.1" in subprocess.run(["ldconfig", "-p"], capture_output=True,
-                                        text=True).stdout:
-        return "libcuda.so.1 already in ld.so's cache"
-    found = [d for d in (os.environ.get("LD_LIBRARY_PATH", "").split(":") +
-                         ["/usr/local/nvidia/lib64", "/usr/local/nvidia/lib"])
-             if d and Path(d, "libcuda.so.1").exists()]
-    if not found:
-        return "libcuda.so.1 not found"
-    Path("/etc/ld.so.conf.d/zz-nvidia-driver.conf").write_text(found[0] + "\n")
-    subprocess.run(["ldconfig"], check=True)
-    return f"registered {found[0]} with ld.so"
-
-
-def toolkit(prefix: Path) -> dict:
-    sys.path.insert(0, str(REPO))
-    from tests.testbed.cuda_standin import _finish_layout, _unpack_wheel
-
-    started = time.monotonic()
-    if not (prefix / "bin/nvcc").exists():
-        for wheel in sorted((STAGE / "cuda-13.3").glob("*.whl")):
-            _unpack_wheel(wheel, prefix)
-        _finish_layout(prefix, prefix.name.removeprefix("cuda-"))
-    nvcc = subprocess.run([prefix / "bin/nvcc", "--version"], capture_output=True, text=True)
-    return {"nvcc": nvcc.stdout.strip().splitlines()[-1] if nvcc.returncode == 0 else nvcc.stderr,
-            "cicc": (prefix / "nvvm/bin/cicc").exists(),
-            "seconds": round(time.monotonic() - started, 1)}
-
-
-def service_user(name: str, venv: Path) -> dict:
-    if subprocess.run(["id", name], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True)
-    probe = subprocess.run(["runuser", "-u", name, "--", str(venv / "bin/python"), "-c",
-                            "import torch, vllm; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True)
-    usable = probe.returncode == 0 and probe.stdout.strip() == "True"
-    return {"user": name, "usable": usable, "probe": (probe.stdout + probe.stderr)[-400:]}
-
-
-def hub_cache(home: Path, checkpoint: str, folder: Path, owner: str) -> str:
-    """The checkpoint as the weights step leaves it: snapshots/<commit>/ and refs/main."""
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    commit = hashlib.sha1(b"".join(hashlib.sha256(p.read_bytes()).digest()
-                                   for p in files)).hexdigest()
-    repo = home / ".cache/huggingface/hub" / f"models--{checkpoint.replace('/', '--')}"
-    shutil.rmtree(repo, ignore_errors=True)
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs/main").write_text(commit)
-    for path in files:
-        shutil.copy(path, repo / "snapshots" / commit / path.name)
-    subprocess.run(["chown", "-R", f"{owner}:{owner}", str(home / ".cache")], check=True)
-    return commit
-
-
-def jit_caches(home: Path) -> list[Path]:
-    """The JIT caches (FlashInfer's, vLLM's torch.compile, Triton's, CUDA's): not the weights."""
-    return [p for p in [*(home / ".cache").glob("*"), home / ".triton", home / ".nv"]
-            if p.name != "huggingface" and p.exists()]
-
-
-def wipe_caches(home: Path) -> None:
-    for path in jit_caches(home):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def keep_caches(home: Path) -> dict:
-    """A copy of the caches a cold start left, as an operator's machine would fetch them."""
-    with tarfile.open(CACHE_COPY, "w") as tar:
-        for path in jit_caches(home):
-            tar.add(path, arcname=str(path.relative_to(home)))
-    return {"bytes": CACHE_COPY.stat().st_size}
-
-
-def flashinfer_package(venv: Path) -> Path:
-    found = subprocess.run([venv / "bin/python", "-c", "import importlib.util as u; "
-                            "print(u.find_spec('flashinfer').submodule_search_locations[0])"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    return Path(found)
-
-
-def shipped_kernels_box(venv: Path, home: Path, owner: str, home_caches: bool) -> dict:
-    """Another box of the stack, as the deploy ships it the stack's kernels before its unit
-    starts: vLLM and FlashInfer installed afresh (new file times), every JIT cache emptied, the
-    cold box's FlashInfer kernels in FlashInfer's precompiled-kernel folder of the venv; with
-    `home_caches`, also vLLM's torch.compile and Triton caches in the service user's home (what
-    the deploy does not ship: the remainder they would save)."""
-    started = time.monotonic()
-    table = json.loads((STAGE / "requirements.json").read_text())["carried"]
-    wheels = [str(STAGE / "wheels" / table[n]["wheel"]) for n in ("vllm", "flashinfer-python")]
-    subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--force-reinstall", "--no-compile", "--disable-pip-version-check", *wheels],
-                   check=True)
-    wipe_caches(home)
-    aot = flashinfer_package(venv) / "data" / "aot"
-    shipped, other = 0, []
-    with tarfile.open(CACHE_COPY) as tar:
-        for member in tar.getmembers():
-            parts = Path(member.name).parts
-            if parts[:2] == (".cache", "flashinfer"):
-                # .cache/flashinfer/<version>/<arch>/cached_ops/<name>/<name>.so
-                if member.isfile() and len(parts) == 7 and parts[4] == "cached_ops" \
-                        and parts[6] == f"{parts[5]}.so":
-                    target = aot / parts[5] / parts[6]
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    with tar.extractfile(member) as src, open(target, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    target.chmod(0o644)
-                    shipped += 1
-            elif home_caches:
-                other.append(member)
-        tar.extractall(home, members=other, filter="tar")
-    subprocess.run(["chown", "-R", f"{owner}:{owner}", str(home)], check=True)
-    return {"seconds": round(time.monotonic() - started, 1), "kernels": shipped,
-            "kernel_bytes": sum(f.stat().st_size for f in aot.rglob("*.so")),
-            "home_caches": sorted({Path(m.name).parts[0] + "/" + Path(m.name).parts[1]
-                                   for m in other if len(Path(m.name).parts) > 1})}
-
-
 # ------------------------------------------------------------------ one engine -----------------
-
-class Monitor(threading.Thread):
-    """Peak GPU memory used (nvidia-smi) and peak host memory of the engine's processes."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.gpu_mib, self.rss, self.stop = pid, 0, 0, False
-
-    def run(self) -> None:
-        import psutil
-        while not self.stop:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                                  "--format=csv,noheader,nounits"], capture_output=True,
-                                 text=True).stdout.split()
-            if out:
-                self.gpu_mib = max(self.gpu_mib, int(out[0]))
-            try:
-                main = psutil.Process(self.pid)
-                procs = [main, *main.children(recursive=True)]
-                self.rss = max(self.rss, sum(p.memory_info().rss for p in procs))
-            except psutil.Error:
-                pass
-            time.sleep(1)
-
-
-def http(method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:
-        return 0, str(exc)
-
-
-def serving_checks(base: str, model: str, name: str) -> dict:
-    checks: dict = {}
-    code, body = http("GET", f"{base}/version")
-    checks["version"] = json.loads(body).get("version") if code == 200 else f"HTTP {code}"
-    chat = {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
-    code, body = http("POST", f"{base}/v1/chat/completions", chat)
-    checks["chat"] = {"status": code, "completion_tokens":
-                      json.loads(body)["usage"]["completion_tokens"] if code == 200 else body[:300]}
-    one = {"model": model, "prompt": "The quick brown fox", "max_tokens": 256, "ignore_eos": True}
-    started = time.monotonic()
-    with ThreadPoolExecutor(12) as pool:
-        codes = list(pool.map(lambda _: http("POST", f"{base}/v1/completions", one)[0], range(12)))
-    checks["concurrent_12x256"] = {"ok": codes.count(200),
-                                   "wall_s": round(time.monotonic() - started, 2)}
-    code, body = http("GET", f"{base}/metrics")
-    checks["metrics"] = {n: (n + "{" in body or n + " " in body) for n in (
-        "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-        "vllm:gpu_cache_usage_perc")}
-    if name == "hermes":
-        tool = {"type": "function", "function": {
-            "name": "get_weather", "description": "Current weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                           "required": ["city"]}}}
-        ask = {"model": model, "max_tokens": 64, "tools": [tool],
-               "messages": [{"role": "user", "content": "Weather in Paris?"}]}
-        code, body = http("POST", f"{base}/v1/chat/completions", {**ask, "tool_choice": "auto"})
-        checks["tool_auto"] = {"status": code, "body": body[:300] if code != 200 else "ok"}
-        forced = {**ask, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-        code, body = http("POST", f"{base}/v1/chat/completions", forced)
-        calls = json.loads(body)["choices"][0]["message"].get("tool_calls") if code == 200 else None
-        checks["tool_forced"] = {"status": code, "tool_calls": calls or body[:300]}
-    return checks
-
 
 def accept(venv: Path, name: str, port: int) -> dict:
     proc = subprocess.run([venv / "bin/python", "-m", "donorkit.accept", "--donors",
@@ -498,69 +272,8 @@ def daemon() -> None:
             plan.insert(plan.index(("qwen", "warm")), ("qwen", "cold"))
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()
-    table()
+    table(RESULTS)
     say("DONE")
-
-
-STAMP = re.compile(r"(?:^|\s)(?:\d{2}-\d{2}|\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}):(\d{2})[ ,]")
-MARKS = {"autotune_start": "Autotuning process starts",
-         "autotune_end": "Autotuning process ends",
-         "attention_warmup": "Warming up FlashInfer attention",
-         "graphs": "Graph capturing finished",
-         "jit_monitor": "Kernel JIT monitor activated"}
-
-
-def phases(log: str) -> dict:
-    """Where an engine's start went, from vLLM's own log lines: torch.compile and the engine's
-    init as vLLM reports them; FlashInfer's JIT under the autotuner, its attention warmup, and
-    the quiet stretch after CUDA graphs until the JIT monitor starts, from the lines' times."""
-    seen: dict[str, int] = {}
-    out: dict = {}
-    for line in log.splitlines():
-        if m := re.search(r"torch\.compile took ([\d.]+) s in total", line):
-            out["torch_compile_s"] = float(m.group(1))
-        if m := re.search(r"init engine \(.*\) took ([\d.]+) s", line):
-            out["init_engine_s"] = float(m.group(1))
-        stamp = STAMP.search(line)
-        for key, text in MARKS.items():
-            if text in line and stamp and key not in seen:
-                h, mi, se = map(int, stamp.groups())
-                seen[key] = h * 3600 + mi * 60 + se
-    spans = {"flashinfer_autotune_s": ("autotune_start", "autotune_end"),
-             "attention_warmup_s": ("attention_warmup", "graphs"),
-             "after_graphs_s": ("graphs", "jit_monitor")}
-    for name, (start, end) in spans.items():
-        if start in seen and end in seen:
-            out[name] = (seen[end] - seen[start]) % 86400
-    return out
-
-
-def table(results_dir: Path = RESULTS) -> None:
-    results = json.loads((results_dir / "results.json").read_text())
-    lines = [f"GPU: {results.get('gpu')}", "",
-             "| engine | run | outcome | start to ready (s) | init engine (s) | torch.compile (s) "
-             "| FlashInfer JIT+autotune (s) | attention warmup (s) | after graphs (s) "
-             "| peak GPU MiB | peak host GiB | chat | 12x256 wall (s) | tool call (forced) "
-             "| accept rc |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    runs = results["runs"]
-    for i, r in enumerate(runs):
-        c = r.get("checks", {})
-        forced = c.get("tool_forced", {}).get("tool_calls")
-        later = any((x["model"], x["run"]) == (r["model"], r["run"]) for x in runs[i + 1:])
-        log = results_dir / f"{r['model']}-{r['run']}{'-first' if later else ''}.log"
-        ph = phases(log.read_text(errors="replace")) if log.exists() else {}
-        lines.append(
-            f"| {r['model']} ({r.get('snapshot', '')}) | {r['run']} | {r['outcome']} | "
-            f"{r.get('start_to_ready_s', '')} | {ph.get('init_engine_s', '')} | "
-            f"{ph.get('torch_compile_s', '')} | {ph.get('flashinfer_autotune_s', '')} | "
-            f"{ph.get('attention_warmup_s', '')} | {ph.get('after_graphs_s', '')} | "
-            f"{r['peak_gpu_mib']} | {r['peak_host_gib']} | "
-            f"{c.get('chat', {}).get('status', '')} | "
-            f"{c.get('concurrent_12x256', {}).get('wall_s', '')} | "
-            f"{'parsed' if isinstance(forced, list) else ('not parsed' if forced else '')} | "
-            f"{r.get('accept', {}).get('rc', '')} |")
-    (results_dir / "table.md").write_text("\n".join(lines) + "\n")
 
 
 # ------------------------------------------------------------------ the calls -------------------
@@ -596,7 +309,7 @@ def launch() -> None:
     shutil.copytree(HERE, REPO, ignore=shutil.ignore_patterns(".gpu-engine", ".git", ".venv"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "daemon.log").open("w") as log:
-        subprocess.Popen([sys.executable, str(REPO / "gpu/engine_run.py"), "daemon"], cwd=REPO,
+        subprocess.Popen([sys.executable, "-m", "gpu.engine_run", "daemon"], cwd=REPO,
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     print("launched", flush=True)
 

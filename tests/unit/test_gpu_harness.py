@@ -11,7 +11,7 @@ import pytest
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
 from donorkit.render import exec_start, render_unit, unit_environment
-from gpu import engine_run
+from gpu import engine_results, engine_run
 
 ENGINE_DONORS = REPO_ROOT / "gpu/engine.yml"
 
@@ -51,10 +51,10 @@ def test_phases_read_from_the_recorded_engine_logs() -> None:
     """The start-up phases come from vLLM 0.26.0's own log lines (the H200 run's logs, kept):
     a cold start spends minutes in FlashInfer's JIT, a warm one reuses every cache."""
     results = REPO_ROOT / "gpu/results/h200-engine-2026-12-01"
-    cold = engine_run.phases((results / "qwen-cold.log").read_text(errors="replace"))
-    warm = engine_run.phases((results / "qwen-warm.log").read_text(errors="replace"))
+    cold = engine_results.phases((results / "qwen-cold.log").read_text(errors="replace"))
+    warm = engine_results.phases((results / "qwen-warm.log").read_text(errors="replace"))
     assert cold == {"torch_compile_s": 14.35, "init_engine_s": 278.27,
                     "flashinfer_autotune_s": 111, "attention_warmup_s": 32,
                     "after_graphs_s": 102}
     assert warm["init_engine_s"] == 28.14 and warm["flashinfer_autotune_s"] == 0
-    assert engine_run.phases("no vLLM lines here") == {}
+    assert engine_results.phases("no vLLM lines here") == {}

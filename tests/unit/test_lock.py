@@ -15,9 +15,9 @@ import pytest
 
 from donorkit import lock
 from donorkit.fleet import FleetError, check_revisions, load_fleet
+from donorkit.paths import REPO_ROOT
 from tests.testbed.hub_standin import generate_checkpoint, make_servers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 QWEN = "turboderp/Qwen3.8-27B-exl3"      # defaults.yml's qwen checkpoint
 OTHER = "standin/other-checkpoint"
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import socket
 import textwrap
-from pathlib import Path
 
 from donorkit import status, status_view
 from donorkit.fleet import load_inventory
 from donorkit.limit import select
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from donorkit.paths import REPO_ROOT
 
 
 def test_metrics_are_summed_per_name_and_the_retired_name_ignored() -> None:

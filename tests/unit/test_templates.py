@@ -15,6 +15,7 @@ import jinja2
 import pytest
 
 from donorkit.fleet import DONORS_FILE, load_fleet, load_inventory
+from donorkit.paths import REPO_ROOT
 from donorkit.render import render_caddyfile, render_host, render_unit, write_tree
 from tests.unit.host_edit import children, get, put
 
@@ -241,7 +242,7 @@ def shipped_donors_in(tmp_path: Path) -> Path:
 def render_cli(tmp_path: Path, host: str, out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, DONORS_FILE=str(shipped_donors_in(tmp_path)))
     return subprocess.run([sys.executable, "-m", "donorkit.render_cli", host, str(out)],
-                          cwd=Path(__file__).resolve().parents[2], env=env,
+                          cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -299,7 +300,7 @@ def test_render_never_writes_through_an_existing_path(tmp_path: Path, planted: s
 
 def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "nope", str(tmp_path)],
-                            cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                            cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "no donor or edge named 'nope'" in result.stderr
 
@@ -368,7 +369,7 @@ def test_every_interpolation_goes_through_a_quoting_filter(template: str,
     """A value added to a template later is quoted too: each `{{ ... }}` ends in one of the
     filters that quote or refuse (a comment's in caddy_comment / unit_comment)."""
     import re
-    text = (Path(__file__).resolve().parents[2] / "templates" / template).read_text()
+    text = (REPO_ROOT / "templates" / template).read_text()
     found = re.findall(r"\{\{(.*?)\}\}", text)
     assert found
     for expression in found:

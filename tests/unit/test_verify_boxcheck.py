@@ -4,14 +4,9 @@ verification's count is of checks on boxes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "verify"))
-
-from boxcheck import (  # noqa: E402
+from tests.verify.boxcheck import (
     SERVICE_PROPERTIES,
     bus_path,
     in_unit_sandbox,
