@@ -113,24 +113,35 @@ def jump_socket(data: DonorBox | EdgeBox):
     return paramiko.ProxyCommand(shlex.join(command))
 
 
+def ssh_client(data: DonorBox | EdgeBox, timeout: float, known_hosts: str | None = None,
+               accept_unknown: bool = False):
+    """A connected paramiko client for a host, with the inventory's SSH data: its address, port,
+    user and key, through the edge for a home donor. Host keys from `known_hosts` (else the
+    host's `ssh_known_hosts_file`, else the system's); an unknown key is refused unless
+    `accept_unknown` (a changed key is refused whatever the policy: paramiko's
+    BadHostKeyException)."""
+    import paramiko  # only the commands that open SSH themselves pay for the import
+
+    client = paramiko.SSHClient()
+    known = known_hosts or data.ssh_known_hosts_file
+    if known:
+        client.load_host_keys(known)
+    else:
+        client.load_system_host_keys()
+    client.set_missing_host_key_policy(
+        paramiko.WarningPolicy() if accept_unknown else paramiko.RejectPolicy())
+    client.connect(hostname=data.ssh_hostname, port=data.ssh_port, username=data.ssh_user,
+                   key_filename=data.ssh_key, timeout=timeout, banner_timeout=timeout,
+                   auth_timeout=timeout, sock=jump_socket(data))
+    return client
+
+
 class SshRunner:
     """Commands on a host over SSH with the inventory's SSH data (key, port, known_hosts: an
     unknown or changed host key is refused; sudo for a user other than root)."""
 
     def __init__(self, data: DonorBox | EdgeBox, timeout: float = 30) -> None:
-        import paramiko  # only the commands that open SSH themselves pay for the import
-
-        self._client = paramiko.SSHClient()
-        known = data.ssh_known_hosts_file
-        if known:
-            self._client.load_host_keys(known)
-        else:
-            self._client.load_system_host_keys()
-        self._client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        self._client.connect(hostname=data.ssh_hostname, port=data.ssh_port,
-                             username=data.ssh_user, key_filename=data.ssh_key,
-                             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-                             sock=jump_socket(data))
+        self._client = ssh_client(data, timeout)
         self._sudo = data.sudo
 
     def run(self, command: str, timeout: float = 60) -> tuple[int, str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from donorkit.host_data import EdgeBox
 from pyinfra_declared.tests.test_ssh_socket import _key_file, ssh_server  # noqa: F401 (fixture)
 
 
@@ -25,9 +26,13 @@ def test_verify_suite_refuses_an_unknown_host_key(ssh_server: int,  # noqa: F811
     known.write_text("")
     key = str(_key_file(tmp_path, "client"))
     spec = f"root@127.0.0.1:{ssh_server}"
-    refusing = KnownHostsParamikoBackend(spec, known_hosts=str(known), ssh_identity_file=key)
+    # Only the login fields: what the backend's connection reads of a host's data.
+    data = EdgeBox.model_construct(ssh_hostname="127.0.0.1", ssh_port=ssh_server,
+                                   ssh_user="root", ssh_key=key)
+    refusing = KnownHostsParamikoBackend(spec, data, known_hosts=str(known),
+                                         ssh_identity_file=key)
     with pytest.raises(paramiko.SSHException, match="not found in known_hosts"):
         refusing.client  # noqa: B018 - connecting is the point
-    accepting = KnownHostsParamikoBackend(spec, known_hosts=str(known), accept_unknown=True,
+    accepting = KnownHostsParamikoBackend(spec, data, known_hosts=str(known), accept_unknown=True,
                                           ssh_identity_file=key)
     assert accepting.client.get_transport().is_authenticated()

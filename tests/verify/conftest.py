@@ -242,9 +242,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 class KnownHostsParamikoBackend(ParamikoBackend):
     """testinfra's paramiko backend, but honouring a known_hosts file (unknown keys refused)."""
 
-    def __init__(self, hostspec: str, known_hosts: str | None = None,
-                 accept_unknown: bool = False, data: DonorBox | EdgeBox | None = None,
-                 **kwargs: object) -> None:
+    def __init__(self, hostspec: str, data: DonorBox | EdgeBox, known_hosts: str | None = None,
+                 accept_unknown: bool = False, **kwargs: object) -> None:
         self.data = data  # a home donor's: its SSH goes through an edge
         self.known_hosts = known_hosts
         self.accept_unknown = accept_unknown
@@ -252,19 +251,8 @@ class KnownHostsParamikoBackend(ParamikoBackend):
 
     @functools.cached_property
     def client(self) -> paramiko.SSHClient:
-        client = paramiko.SSHClient()
-        if self.known_hosts:
-            client.load_host_keys(self.known_hosts)
-        else:
-            client.load_system_host_keys()
-        # paramiko refuses a changed key (BadHostKeyException) whatever the policy says.
-        client.set_missing_host_key_policy(
-            paramiko.WarningPolicy() if self.accept_unknown else paramiko.RejectPolicy())
-        client.connect(hostname=self.host.name, port=int(self.host.port or 22),
-                       username=self.host.user, key_filename=self.ssh_identity_file,
-                       timeout=self.timeout, banner_timeout=self.timeout,
-                       auth_timeout=self.timeout, sock=transport.jump_socket(self.data))
-        return client
+        return transport.ssh_client(self.data, self.timeout, known_hosts=self.known_hosts,
+                                    accept_unknown=self.accept_unknown)
 
 
 def make_host(data: DonorBox | EdgeBox, on_box: bool, known_hosts: str | None = None,
