@@ -26,8 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from donorkit import render
 from donorkit.fleet import load_inventory
 from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import https_get
 
 HOSTNAME = "hermes.ai.unturf.com"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"
@@ -80,7 +79,7 @@ class Bench:
             sites=[site.model_copy(update={"upstreams": pool}) for site in edges["tb-edge"].sites]))
         self.edge_file = write(render.render_edge(edge), tmp / "edge", tmp)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.context = ssl.create_default_context(cafile=str(tmp / "pki" / "ca.crt"))
+        self.ca = tmp / "pki" / "ca.crt"
 
     def start(self, key: str, argv: list[str]) -> None:
         log = open(self.tmp / f"{key}.log", "a")  # noqa: SIM115 - kept open for the process
@@ -111,15 +110,9 @@ class Bench:
 
     def get(self, seq: str) -> int | str:
         try:
-            sock = socket.create_connection(("127.0.0.1", EDGE_PORT), timeout=30)
-            with self.context.wrap_socket(sock, server_hostname=HOSTNAME) as tls:
-                tls.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {HOSTNAME}\r\nX-Loop: {seq}\r\n"
-                            "Connection: close\r\n\r\n".encode())
-                response = http.client.HTTPResponse(tls)
-                response.begin()
-                response.read()
-                return response.status
-        except OSError as exc:
+            return https_get("127.0.0.1", EDGE_PORT, HOSTNAME, "/v1/models", self.ca, timeout=30,
+                             headers={"X-Loop": seq})[0]
+        except (OSError, http.client.HTTPException) as exc:
             return type(exc).__name__
 
     def served_by(self, key: str, tag: str) -> set[int]:

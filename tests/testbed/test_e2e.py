@@ -36,6 +36,7 @@ import yaml
 from donorkit import __version__, render
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import https_get
 from pyinfra_declared.batched_facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
@@ -732,28 +733,18 @@ def test_edge_routes_around_a_stopped_donor_and_back(hosts: dict[str, Host]) -> 
     tb-4090b's model is stopped and started again. The edge's health check (every 2 s) takes
     it out of the pool and puts it back, without a reload; the times and counts are printed."""
     import http.client
-    import socket
-    import ssl
     import threading
 
     both_donors_in_the_pool(hosts)
-    context = ssl.create_default_context(cafile=str(PKI / "ca.crt"))
     edge_ip, tag = hosts[EDGE].ip, f"loop{random.randrange(10**6)}"
     results: list[tuple[int, float, int | str]] = []
     done = threading.Event()
 
     def one(seq: int) -> int | str:
-        sock = socket.create_connection((edge_ip, 443), timeout=30)
         try:
-            with context.wrap_socket(sock, server_hostname=HOSTNAME) as tls:
-                request = (f"GET /v1/models HTTP/1.1\r\nHost: {HOSTNAME}\r\n"
-                           f"X-Loop: {tag}-{seq}\r\nConnection: close\r\n\r\n")
-                tls.sendall(request.encode())
-                response = http.client.HTTPResponse(tls)
-                response.begin()
-                response.read()
-                return response.status
-        except OSError as exc:
+            return https_get(edge_ip, 443, HOSTNAME, "/v1/models", PKI / "ca.crt", timeout=30,
+                             headers={"X-Loop": f"{tag}-{seq}"})[0]
+        except (OSError, http.client.HTTPException) as exc:
             return repr(exc)
 
     def loop() -> None:

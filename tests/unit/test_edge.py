@@ -26,6 +26,7 @@ from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
+from donorkit.transport import https_get
 from tests.unit.make import make
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -507,22 +508,9 @@ class VllmDouble:
 
 def get(port: int, hostname: str, path: str, ca: Path,
         client: tuple[str, str] | None = None) -> int:
-    """GET `path` exactly as written (no normalising) over TLS with SNI and Host `hostname`."""
-    import http.client
-    import socket
-    import ssl
-
-    context = ssl.create_default_context(cafile=str(ca))
-    if client:
-        context.load_cert_chain(*client)
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw, \
-            context.wrap_socket(raw, server_hostname=hostname) as tls:
-        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {hostname}\r\nConnection: close\r\n\r\n"
-                    .encode())
-        response = http.client.HTTPResponse(tls)
-        response.begin()
-        response.read()
-        return response.status
+    """GET `path` exactly as written (http.client sends it unnormalised) with SNI and Host
+    `hostname`: the operator's one HTTPS client (donorkit/transport.py)."""
+    return https_get("127.0.0.1", port, hostname, path, ca, client, timeout=20)[0]
 
 
 @pytest.fixture(params=CADDIES, ids=CADDY_IDS)

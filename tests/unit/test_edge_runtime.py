@@ -28,6 +28,7 @@ from donorkit import pki as pki_module
 from donorkit.fleet import load_inventory
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.render import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
+from donorkit.transport import https_get
 from tests.unit.test_edge import CADDIES, CADDY_IDS, caddy_or_skip, in_tmp, lay_out
 
 HOSTNAME = "hermes.ai.unturf.com"
@@ -68,14 +69,21 @@ def stop(caddy: subprocess.Popen) -> None:
     caddy.wait(timeout=10)
 
 
+def loopback_ports() -> dict:
+    """A donor's Caddy and its model on free loopback ports, not the inventory's fixed ones: a
+    testbed's stand-in engine on this machine's 18888 would answer where no model should (seen:
+    200 where the handshake test expects 502)."""
+    return {"caddy_https_port": free_port(), "models": {"qwen": {"port": free_port()}}}
+
+
 def fleet(tmp_path: Path, edges: list[str], **overrides: object) -> tuple[dict, dict]:
     doc = {
         "overrides": {"pki_dir": str(tmp_path / "pki"), **overrides},
         "donors": {
             "a": {"ssh_host": "127.0.0.2", "ssh_user": "root", "card": "rtx4090",
-                  "routes": {HOSTNAME: "qwen"}, "overrides": {"caddy_https_port": free_port()}},
+                  "routes": {HOSTNAME: "qwen"}, "overrides": loopback_ports()},
             "b": {"ssh_host": "127.0.0.3", "ssh_user": "root", "card": "rtx4090",
-                  "routes": {HOSTNAME: "qwen"}, "overrides": {"caddy_https_port": free_port()}},
+                  "routes": {HOSTNAME: "qwen"}, "overrides": loopback_ports()},
         },
         "edges": {name: {"ssh_host": f"127.0.1.{n + 1}", "ssh_user": "root", "hostnames": "all",
                          "rate_limit": None, "public_tls": "private_ca"}
@@ -91,18 +99,10 @@ def fleet(tmp_path: Path, edges: list[str], **overrides: object) -> tuple[dict, 
 def handshake(port: int, pki: Path, client: str | None) -> int | str:
     """GET /v1/models from the donor's Caddy on loopback as `client` (its pair under
     pki/edges/): the HTTP status, or the TLS/connection error's name."""
-    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-    if client:
-        context.load_cert_chain(str(pki / "edges" / f"{client}.crt"),
-                                str(pki / "edges" / f"{client}.key"))
+    pair = (pki / "edges" / f"{client}.crt", pki / "edges" / f"{client}.key") if client else None
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-                context.wrap_socket(raw, server_hostname=HOSTNAME) as tls:
-            tls.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {HOSTNAME}\r\n"
-                        "Connection: close\r\n\r\n".encode())
-            response = http.client.HTTPResponse(tls)
-            response.begin()
-            return response.status
+        return https_get("127.0.0.1", port, HOSTNAME, "/v1/models", pki / "ca.crt", pair,
+                         timeout=10)[0]
     except (OSError, http.client.HTTPException) as exc:
         return type(exc).__name__
 
@@ -208,23 +208,11 @@ class Donor(http.server.ThreadingHTTPServer):
 
 
 def via_edge(port: int, pki: Path, headers: dict[str, str], timeout: float = 30) -> int | str:
-    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-
-    class Pinned(http.client.HTTPSConnection):
-        def connect(self) -> None:
-            raw = socket.create_connection(("127.0.0.1", port), timeout)
-            self.sock = context.wrap_socket(raw, server_hostname=HOSTNAME)
-
-    conn = Pinned(HOSTNAME, port, timeout=timeout, context=context)
     try:
-        conn.request("GET", "/v1/models", headers=headers)
-        response = conn.getresponse()
-        response.read()
-        return response.status
+        return https_get("127.0.0.1", port, HOSTNAME, "/v1/models", pki / "ca.crt",
+                         timeout=timeout, headers=headers)[0]
     except (OSError, http.client.HTTPException) as exc:
         return type(exc).__name__
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
