@@ -194,7 +194,10 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
 
 # ------------------------------------------------------------------ the daemon ------------------
 
-def daemon() -> None:
+RUNS = ["cold", "warm", "kernels-shipped", "kernels-and-caches-shipped"]
+
+
+def daemon(runs: list[str]) -> None:
     results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": []}
 
     def save() -> None:
@@ -224,8 +227,7 @@ def daemon() -> None:
     save()
 
     qwen_folder = STAGE / "models/qwen"
-    plan = [("qwen", "cold"), ("qwen", "warm"), ("qwen", "kernels-shipped"),
-            ("qwen", "kernels-and-caches-shipped")]
+    plan = [("qwen", kind) for kind in runs]
     for name, kind in plan:
         _, env, argv = units[name]
         env, argv = dict(env), list(argv)
@@ -269,7 +271,7 @@ def daemon() -> None:
                 and qwen_folder.name == "qwen":
             say("qwen hybrid did not start: trying the dense fallback")
             qwen_folder = STAGE / "models/qwen-dense"
-            plan.insert(plan.index(("qwen", "warm")), ("qwen", "cold"))
+            plan.insert(plan.index(("qwen", "cold")) + 1, ("qwen", "cold"))
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()
     table(RESULTS)
@@ -287,7 +289,7 @@ def receive() -> None:
     print("chunks here:", sorted(p.name for p in CHUNKS.iterdir()))
 
 
-def launch() -> None:
+def launch(runs: list[str]) -> None:
     count, digest = (CHUNKS / "manifest").read_text().split()
     parts = sorted(p for p in CHUNKS.iterdir() if p.name.isdigit())
     if len(parts) != int(count):
@@ -309,7 +311,8 @@ def launch() -> None:
     shutil.copytree(HERE, REPO, ignore=shutil.ignore_patterns(".gpu-engine", ".git", ".venv"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "daemon.log").open("w") as log:
-        subprocess.Popen([sys.executable, "-m", "gpu.engine_run", "daemon"], cwd=REPO,
+        subprocess.Popen([sys.executable, "-m", "gpu.engine_run", "daemon", "--runs",
+                          ",".join(runs)], cwd=REPO,
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     print("launched", flush=True)
 
@@ -335,22 +338,35 @@ def follow(max_seconds: float) -> None:
         shutil.make_archive(str(out / "accept"), "gztar", RESULTS / "accept")
 
 
-def daemon_or_say() -> None:
+def daemon_or_say(runs: list[str]) -> None:
     try:
-        daemon()
+        daemon(runs)
     except Exception as exc:  # the follower must see it, not wait on a dead daemon
         say(f"FAILED: {type(exc).__name__}: {exc}")
         raise
+
+
+def runs_list(text: str) -> list[str]:
+    runs = text.split(",")
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown or not runs:
+        raise argparse.ArgumentTypeError(f"unknown run(s) {', '.join(unknown)}: "
+                                         f"choose from {', '.join(RUNS)}")
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["receive", "launch", "follow", "daemon", "table"])
     parser.add_argument("--max", type=float, default=540, help="follow: seconds at most")
+    parser.add_argument("--runs", type=runs_list, default=RUNS, help=(
+        "launch: the qwen runs, in order, a comma list of " + ", ".join(RUNS) +
+        " (default: all); the shipped ones need a cold run first"))
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="table: a results folder (results.json and the engines' logs)")
     args = parser.parse_args()
-    {"receive": receive, "launch": launch, "daemon": daemon_or_say,
+    {"receive": receive, "launch": lambda: launch(args.runs),
+     "daemon": lambda: daemon_or_say(args.runs),
      "table": lambda: table(args.results),
      "follow": lambda: follow(args.max)}[args.step]()
 
