@@ -168,7 +168,10 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
                 result.update(outcome=f"not ready after {timeout} s")
                 break
             time.sleep(1)
-        say(f"{name} {kind}: {result['outcome']} {result.get('start_to_ready_s', '')}")
+        # The peaks so far in the progress line: the record is saved only after the engine has
+        # stopped (up to a minute later), and a run's device time may end first (it did).
+        say(f"{name} {kind}: {result['outcome']} {result.get('start_to_ready_s', '')} "
+            f"(peak host {monitor.rss / 2**30:.1f} GiB, GPU {monitor.gpu_mib} MiB so far)")
         if result["outcome"] == "ready":
             result["checks"] = serving_checks(base, checkpoint, name)
             say(f"{name} {kind}: checks {json.dumps(result['checks'])[:400]}")
