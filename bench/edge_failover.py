@@ -253,6 +253,8 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1000, help="requests at most per case")
     parser.add_argument("--seconds", type=float, default=60, help="seconds at most per case")
     args = parser.parse_args()
+    # Stopped (a CI timeout, an operator's kill): leave no stand-in or Caddy on its ports.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for binary in (args.edge_caddy, args.donor_caddy):
         version = subprocess.run([binary, "version"], capture_output=True, text=True).stdout
         print(f"{binary}: {version.split()[0] if version else '?'}")
