@@ -9,6 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
+from donorkit.transport import wait_until
+
 from .common import WORK, find_pids, log, remove_tree, run
 from .network import netns_pids
 from .rootfs import BASE
@@ -136,10 +138,11 @@ def stop(name: str, pid: int | None, ns: str, timeout: float = 15.0) -> None:
         pid = found[0] if found else None
     if pid and is_ours(pid, name):
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and is_ours(pid, name):
+        def halted() -> str | None:
             _reap(pid)
-            time.sleep(0.1)
+            return "running" if is_ours(pid, name) else None
+
+        wait_until(halted, timeout, 0.1)  # then killed, below, if it is still there
     # Whatever still lives in the host's namespace is the container's: kill it, then nspawn.
     leftovers = netns_pids(ns)
     if leftovers:

@@ -36,7 +36,7 @@ import yaml
 from donorkit import __version__, render
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
-from donorkit.transport import https_get
+from donorkit.transport import https_get, wait_until
 from pyinfra_declared.batched_facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
@@ -766,12 +766,11 @@ def test_edge_routes_around_a_stopped_donor_and_back(hosts: dict[str, Host]) -> 
         time.sleep(12)
         t_start = time.time()
         ssh(second, "systemctl start vllm-qwen.service")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def back_in_the_loop() -> str | None:
             back = [s for s, t in loop_seqs(second, tag).items() if t > t_start]
-            if len(back) >= 3:
-                break
-            time.sleep(1)
+            return None if len(back) >= 3 else f"{len(back)} loop requests since its start"
+
+        wait_until(back_in_the_loop, 60, 1)  # the assertions below say what it got
         time.sleep(3)
     finally:
         done.set()
@@ -827,10 +826,9 @@ def test_edge_answers_502_when_every_donor_is_down(hosts: dict[str, Host]) -> No
     finally:
         for name in (GOOD, SECOND):
             ssh(hosts[name], f"systemctl start {units}")
-    deadline = time.monotonic() + 60
-    while via_edge(hosts, "/v1/models")[0] != 200:
-        assert time.monotonic() < deadline, "the edge did not answer again after the restart"
-        time.sleep(1)
+    why = wait_until(lambda: None if via_edge(hosts, "/v1/models")[0] == 200 else
+                     "the edge did not answer again after the restart", 60, 1)
+    assert why is None, why
 
 
 def test_a_slow_request_does_not_take_a_donor_out(hosts: dict[str, Host]) -> None:
@@ -1022,10 +1020,14 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
         first = threading.Thread(target=lambda: ran.setdefault("first", rollout(change)))
         first.start()
         # Issue 21, hole 4: a second rollout while this one runs is refused, naming the holder.
-        deadline = time.monotonic() + 60
-        while ssh(hosts[SECOND], f"test -d {lock}", check=False).returncode != 0:
-            assert time.monotonic() < deadline and first.is_alive(), ran
-            time.sleep(0.2)
+        def lock_held() -> str | None:
+            if not first.is_alive():
+                return None  # it ended: the assertion below says how
+            return (None if ssh(hosts[SECOND], f"test -d {lock}", check=False).returncode == 0
+                    else f"no {lock} on {SECOND} yet")
+
+        why = wait_until(lock_held, 60, 0.2)
+        assert why is None and first.is_alive(), (why, ran)
         second_rc, second_out, _ = rollout(change)
         first.join()
         rc, out, took = ran["first"]

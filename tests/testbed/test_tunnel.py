@@ -31,6 +31,7 @@ import yaml
 from donorkit.fleet import load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import wait_until
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, on_console, ssh
 
@@ -215,10 +216,9 @@ def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
     rc, output, _ = deploy(EDGE)
     assert rc == 0, output[-4000:]
     edge_run = time.monotonic() - started
-    deadline = time.monotonic() + 120
-    while handshake_age(hosts, key.group(1)) is None:
-        assert time.monotonic() < deadline, ssh(hosts[EDGE], f"wg show {IFACE}").stdout
-        time.sleep(0.5)
+    why = wait_until(lambda: None if handshake_age(hosts, key.group(1)) is not None else
+                     "no handshake yet", 120, 0.5)
+    assert why is None, ssh(hosts[EDGE], f"wg show {IFACE}").stdout
     handshake = time.monotonic() - started - edge_run
     FIGURES["join"] = {"make_join_s": round(join_run, 1), "edge_deploy_s": round(edge_run, 1),
                        "handshake_after_edge_deploy_s": round(handshake, 1),

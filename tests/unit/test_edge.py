@@ -26,7 +26,7 @@ from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
-from donorkit.transport import https_get
+from donorkit.transport import https_get, wait_until
 from tests.unit.make import make
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -542,18 +542,17 @@ def live(request, tmp_path: Path):
             log = open(where / "caddy.log", "w")  # noqa: SIM115 - the process's output
             procs.append(subprocess.Popen([binary, "run", "--adapter", "caddyfile", "--config",
                                            str(caddyfile)], stdout=log, stderr=log))
-        import time
-
         ca = tmp_path / "pki/ca.crt"
-        deadline = time.monotonic() + 30
-        while True:
+
+        def answering() -> str | None:
             try:
-                if get(edge_port, hostname, "/v1/models", ca) == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "edge/caddy.log").read_text()[-3000:]
-            time.sleep(0.2)
+                status = get(edge_port, hostname, "/v1/models", ca)
+            except OSError as exc:
+                return repr(exc)
+            return None if status == 200 else f"HTTP {status}"
+
+        why = wait_until(answering, 30, 0.2)
+        assert why is None, (why, (tmp_path / "edge/caddy.log").read_text()[-3000:])
         vllm.seen.clear()
         yield {"edge": edge_port, "donor": donor_port, "hostname": hostname, "ca": ca,
                "vllm": vllm, "pki": Pki(tmp_path / "pki")}

@@ -28,7 +28,7 @@ from donorkit import pki as pki_module
 from donorkit.fleet import load_inventory
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.render import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
-from donorkit.transport import https_get
+from donorkit.transport import https_get, wait_until
 from tests.unit.test_edge import CADDIES, CADDY_IDS, caddy_or_skip, in_tmp, lay_out
 
 HOSTNAME = "hermes.ai.unturf.com"
@@ -54,14 +54,17 @@ def start_caddy(binary: str, caddyfile: Path, admin: Path) -> subprocess.Popen:
 
 
 def wait_port(port: int, caddy: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while True:
+    def listening() -> str | None:
+        if caddy.poll() is not None:
+            return None  # it exited: the assertion below says so
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert caddy.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        except OSError as exc:
+            return repr(exc)
+        return None
+
+    why = wait_until(listening, 20, 0.1)
+    assert why is None and caddy.poll() is None, (why, log.read_text()[-3000:])
 
 
 def stop(caddy: subprocess.Popen) -> None:
@@ -246,10 +249,9 @@ def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str)
 
     try:
         wait_port(edge_port, caddy, caddyfile.parent / "caddy.log")
-        deadline = time.monotonic() + 20
-        while via_edge(edge_port, pki, {}) != 200:  # the first active checks
-            assert time.monotonic() < deadline, (caddyfile.parent / "caddy.log").read_text()
-            time.sleep(0.2)
+        why = wait_until(lambda: None if via_edge(edge_port, pki, {}) == 200 else
+                         "the edge has no donor up yet", 20, 0.2)  # the first active checks
+        assert why is None, (caddyfile.parent / "caddy.log").read_text()
         thread = threading.Thread(target=loop)
         thread.start()
         try:

@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import wait_until
 from tests.testbed.hub_standin import generate_checkpoint, load_repo, make_servers
 
 FETCH = REPO_ROOT / "files/fetch_weights.py"
@@ -131,13 +131,14 @@ def test_a_killed_run_keeps_finished_files(hub, checkpoint, tmp_path):
     proc = subprocess.Popen(fetch_cmd(url, rev, tmp_path, "--workers", "2"), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sha2 = state.repos[REPO].files[SHARD2].sha256
-    deadline = time.monotonic() + 60
     folder = tmp_path / "hub" / f"models--{REPO.replace('/', '--')}"
-    while time.monotonic() < deadline:
+
+    def one_whole_one_partial() -> str | None:
         partial = sum(p.stat().st_size for p in (folder / "blobs").glob("*.incomplete"))
-        if (folder / "snapshots" / rev / SHARD).exists() and partial > size2 // 3:
-            break
-        time.sleep(0.05)
+        return (None if (folder / "snapshots" / rev / SHARD).exists() and partial > size2 // 3
+                else "not yet one shard whole and a third of the other")
+
+    wait_until(one_whole_one_partial, 60, 0.05)  # the assertions below say what it got
     proc.send_signal(signal.SIGKILL)
     out = proc.communicate()[0]
     assert "weights: 1/" in out or "files," in out, out  # progress lines were printed

@@ -7,6 +7,7 @@ import argparse
 
 from donorkit.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
 from donorkit.rollout_plan import Box, plan_batches, resume_command
+from donorkit.transport import wait_until
 from tests.unit.make import make
 
 # Host data with only the fields the plan reads (model_construct: the rest is not needed here).
@@ -317,14 +318,11 @@ def test_edge_health_is_read_from_real_caddys_log_and_admin_api(tmp_path, binary
             events = health_events((tmp_path / "caddy.log").read_text(), address)
             return edge_sees(events, since, time.time(), settle)
 
-        deadline = time.monotonic() + 20
-        while seen(0) != "down":
-            assert time.monotonic() < deadline, (tmp_path / "caddy.log").read_text()[-2000:]
-            time.sleep(0.1)
+        why = wait_until(lambda: None if seen(0) == "down" else "not seen down", 20, 0.1)
+        assert why is None, (tmp_path / "caddy.log").read_text()[-2000:]
         status["code"] = 200
-        while seen(0.5) != "up":
-            assert time.monotonic() < deadline, (tmp_path / "caddy.log").read_text()[-2000:]
-            time.sleep(0.1)
+        why = wait_until(lambda: None if seen(0.5) == "up" else "not seen up", 20, 0.1)
+        assert why is None, (tmp_path / "caddy.log").read_text()[-2000:]
         upstreams = subprocess.run(
             ["curl", "-sS", "--unix-socket", str(admin), "-H", "Host: ",
              "http://localhost/reverse_proxy/upstreams"], capture_output=True, text=True)

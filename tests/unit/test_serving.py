@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from pyinfra.context import ctx_host
 
 from donorkit.paths import REPO_ROOT
 from donorkit.serving import ModelsListed, WeightsComplete, model_weights, ready_gate
+from donorkit.transport import wait_until
 from pyinfra_declared.json_cases import CaseHost, refusal_message
 
 REV = "4ff9003a33658da90d0bc7977d0251d39075a663"
@@ -123,13 +123,13 @@ def standin_port():
 
 
 def test_models_listed_fact_against_the_standin(standin_port):
-    deadline = time.monotonic() + 10
     seen = []
-    while time.monotonic() < deadline:
+
+    def listed() -> str | None:
         seen.append(run_fact(ModelsListed(), port=standin_port))
-        if seen[-1] == ["org/model"]:
-            break
-        time.sleep(0.2)
+        return None if seen[-1] == ["org/model"] else "not listed yet"
+
+    wait_until(listed, 10, 0.2)
     assert seen[-1] == ["org/model"], seen
     assert [] in seen  # up, but not loaded yet: listed nothing
     # Read inside the run's one-command snapshot, it must come back as its own section.
