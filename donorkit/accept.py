@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import secrets
 import socket
@@ -135,7 +136,9 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
         extra_body={**NO_THINKING, "ignore_eos": True})
+    chunks, tail = 0, None  # what the stream carried, for the error when it had no usage
     async for chunk in stream:
+        chunks, tail = chunks + 1, chunk
         if chunk.usage is None:
             continue
         usage = chunk.usage
@@ -144,7 +147,9 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
         if usage.completion_tokens:
             last = time.monotonic()
     if usage is None or first is None:
-        raise RuntimeError("the stream carried no usage (is this vLLM?)")
+        carried = json.dumps(tail.model_dump(exclude_none=True))[:300] if tail else "nothing"
+        raise RuntimeError(f"the stream carried no usage (is this vLLM?): {chunks} chunk(s), "
+                           f"the last {carried}")
     decoded = usage.completion_tokens - first_count
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "ttft_s": first - started, "wall_s": last - started,

@@ -407,3 +407,22 @@ def test_measure_against_the_testbeds_vllm_standin(tmp_path: Path) -> None:
     assert out["details"]["chat"]["completion_tokens"] == 8
     assert out["details"]["concurrent"]["prompts"] == 2
     assert 3 < out["details"]["chars_per_token"] < 5  # characters / 4, as the stand-in counts
+
+
+def test_a_stream_without_usage_says_what_it_carried() -> None:
+    """An engine's error inside a 200 stream (a chunk with no usage, no choices) is named in the
+    error, not only "no usage"."""
+    from types import SimpleNamespace
+
+    from openai.types.chat import ChatCompletionChunk
+
+    async def chunks():
+        yield ChatCompletionChunk.construct(object="error", message="KV cache is full")
+
+    async def create(**_):
+        return chunks()
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    with pytest.raises(RuntimeError, match=r"no usage \(is this vLLM\?\): 1 chunk\(s\), the last "
+                                           r'\{"object": "error", "message": "KV cache is full"'):
+        asyncio.run(a._stream(client, "o/m", "hi", 4))
