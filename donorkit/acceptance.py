@@ -96,6 +96,7 @@ def forced_call_text(case: ToolCase) -> str:
     return ("<tool_call>\n" + json.dumps({"name": case.function, "arguments": case.arguments})
             + "\n</tool_call>")
 
+
 @dataclass(frozen=True)
 class EdgeForward:
     """A home donor's Caddy (`reach: tunnel`) as this machine reaches it: through the SSH of the
@@ -222,6 +223,7 @@ def _forward(data: DonorBox) -> EdgeForward | None:
         return None
     return EdgeForward(edge=data.ssh_jump, jump=data.ssh_jump_data, address=data.ssh_hostname,
                        port=data.caddy_https_port)
+
 
 class Loose(BaseModel):
     model_config = ConfigDict(extra="forbid")
