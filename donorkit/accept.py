@@ -20,8 +20,11 @@ Which way: a donor's Caddy answers only clients with a certificate from the oper
 and it has no rate limit; otherwise (several donors behind the hostname: the figures would be a
 mix; the seed's rate limit of 3 requests per second: the concurrent prompts would get 429) to the
 donor's own Caddy with the public hostname as TLS server name and Host, presenting the operator's
-client certificate (OPERATOR_CLIENT, issued under pki_dir/edges/ like an edge's). The record's
-`route` says which and why; `--via URL` forces a base URL.
+client certificate (OPERATOR_CLIENT, issued under pki_dir/edges/ like an edge's). A home donor
+behind NAT (`reach: tunnel`) has its Caddy at its tunnel address, which only the edge reaches:
+there one OpenSSH local forward through that edge (its ssh_jump, with the edge's own SSH data)
+carries every request of the measurement, on the same mutual TLS. The record's `route` says
+which and why; `--via URL` forces a base URL.
 
 One JSON record per donor and run goes under the results folder; the figures are compared with
 the card's baseline with a tolerance (data: `acceptance` in inventory/defaults.yml and each card
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import secrets
 import socket
@@ -42,6 +46,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,7 @@ from donorkit.acceptance import (
     TOOL_CASES,
     TOOL_CHOICE_FLAG,
     TOOLS,
+    EdgeForward,
     ModelResults,
     Record,
     Target,
@@ -69,7 +76,7 @@ from donorkit.fleet import FleetError, load_inventory
 from donorkit.limit import LimitError, select
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import PkiError
-from donorkit.transport import client_context
+from donorkit.transport import ForwardError, PinnedHTTPS, SshForward, client_context
 
 
 def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
@@ -78,9 +85,7 @@ def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
     from openai import AsyncOpenAI
 
     url = httpx2.URL(target.base_url)
-    if target.ca_file and not Path(target.ca_file).is_file():
-        raise RuntimeError(f"no CA certificate at {target.ca_file} (the deploy creates the "
-                           "private CA; or give --via for an edge)")
+    _require_ca(target)
     verify: ssl.SSLContext | bool = True
     if url.scheme == "https":
         verify = client_context(target.ca_file, target.client)
@@ -100,6 +105,12 @@ def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
                              timeout=target.workload.request_timeout_s)
     return AsyncOpenAI(base_url=f"{target.base_url}/v1", api_key="uncloseai-accept",
                        http_client=http, max_retries=0), http
+
+
+def _require_ca(target: Target) -> None:
+    if target.ca_file and not Path(target.ca_file).is_file():
+        raise RuntimeError(f"no CA certificate at {target.ca_file} (the deploy creates the "
+                           "private CA; or give --via for an edge)")
 
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -125,7 +136,9 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
         extra_body={**NO_THINKING, "ignore_eos": True})
+    chunks, tail = 0, None  # what the stream carried, for the error when it had no usage
     async for chunk in stream:
+        chunks, tail = chunks + 1, chunk
         if chunk.usage is None:
             continue
         usage = chunk.usage
@@ -134,7 +147,9 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
         if usage.completion_tokens:
             last = time.monotonic()
     if usage is None or first is None:
-        raise RuntimeError("the stream carried no usage (is this vLLM?)")
+        carried = json.dumps(tail.model_dump(exclude_none=True))[:300] if tail else "nothing"
+        raise RuntimeError(f"the stream carried no usage (is this vLLM?): {chunks} chunk(s), "
+                           f"the last {carried}")
     decoded = usage.completion_tokens - first_count
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "ttft_s": first - started, "wall_s": last - started,
@@ -167,13 +182,40 @@ async def _tool_case(client, model: str, case: ToolCase, forced: bool) -> dict:
 
 
 async def measure(target: Target, progress: Callable[[str], None]) -> dict:
-    """Every figure and check of one target, as the record's `results` (exceptions propagate)."""
+    """Every figure and check of one target, as the record's `results` (exceptions propagate;
+    Unreachable where no connection opens). A home donor's through its edge's SSH forward, open
+    for the whole measurement."""
+    with ExitStack() as stack:
+        forward = None
+        if target.forward:
+            _require_ca(target)  # the probe's handshake verifies the donor's Caddy
+            forward = await asyncio.to_thread(_open_forward, stack, target.forward)
+            target = replace(target, base_url=f"https://127.0.0.1:{forward.local_port}")
+        why = await asyncio.to_thread(unreachable, target)
+        if why:
+            where = _forward_name(target.forward) if forward else target.base_url
+            said = forward.said() if forward else ""
+            raise Unreachable(f"{where}: {why}" + (f" (ssh: {said})" if said else ""))
+        if target.route:
+            progress(f"{target.base_url} as {target.hostname}: {target.route}")
+        return await _measure_reached(target, progress)
+
+
+def _forward_name(forward: EdgeForward) -> str:
+    return f"edge {forward.edge}'s SSH forward to {forward.address}:{forward.port}"
+
+
+def _open_forward(stack: ExitStack, forward: EdgeForward) -> SshForward:
+    """The SSH forward through the edge, closed with `stack`; Unreachable when it does not come
+    up (the edge down, its host key not known, the key refused: ssh's own words)."""
+    try:
+        return stack.enter_context(SshForward(forward.jump, forward.address, forward.port))
+    except ForwardError as exc:
+        raise Unreachable(f"{_forward_name(forward)}: {exc}") from None
+
+
+async def _measure_reached(target: Target, progress: Callable[[str], None]) -> dict:
     w = target.workload
-    why = await asyncio.to_thread(unreachable, target.base_url)
-    if why:
-        raise Unreachable(f"{target.base_url}: {why}")
-    if target.route:
-        progress(f"{target.base_url} as {target.hostname}: {target.route}")
     out: dict[str, Any] = {"figures": {}, "checks": {}, "details": {}}
     client, http = _client(target)
     async with client:
@@ -294,13 +336,23 @@ class Unreachable(Exception):
     """No connection opens to where the client would connect: one line, no record."""
 
 
-def unreachable(base_url: str, timeout: float = 10) -> str | None:
-    """Why no TCP connection opens to where the client would connect (within `timeout`), or
-    None: an unreachable donor is one line, not one failed request per step."""
-    url = httpx2.URL(base_url)
+def unreachable(target: Target, timeout: float = 10) -> str | None:
+    """Why no connection opens to where the client would connect (within `timeout`), or None:
+    an unreachable donor is one line, not one failed request per step. A TCP connection; through
+    an SSH forward a TLS handshake with the donor's Caddy (the forward's own end always accepts:
+    only the handshake shows the edge reached the box)."""
+    url = httpx2.URL(target.base_url)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        socket.create_connection((url.host, port), timeout).close()
+        if target.forward:
+            handshake = PinnedHTTPS(url.host, port, target.hostname,
+                                    client_context(target.ca_file, target.client), timeout)
+            try:
+                handshake.connect()
+            finally:
+                handshake.close()
+        else:
+            socket.create_connection((url.host, port), timeout).close()
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

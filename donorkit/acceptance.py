@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from donorkit.card_profiles import Baseline, CardAcceptance, Workload
-from donorkit.host_data import DonorBox, EdgeBox
+from donorkit.host_data import DonorBox, EdgeBox, SshJump
 from donorkit.paths import pki_dir
 from donorkit.pki import OPERATOR_CLIENT
 from donorkit.render import pki_for
@@ -96,6 +96,19 @@ def forced_call_text(case: ToolCase) -> str:
     return ("<tool_call>\n" + json.dumps({"name": case.function, "arguments": case.arguments})
             + "\n</tool_call>")
 
+
+@dataclass(frozen=True)
+class EdgeForward:
+    """A home donor's Caddy (`reach: tunnel`) as this machine reaches it: through the SSH of the
+    edge it is jumped through (its `ssh_jump`), an OpenSSH local forward for the whole
+    measurement (donorkit.transport.SshForward)."""
+
+    edge: str                   # the edge's name
+    jump: SshJump               # its SSH data
+    address: str                # the donor's tunnel address, as the edge reaches it
+    port: int                   # its Caddy's HTTPS port
+
+
 @dataclass
 class Target:
     """One model identity on one donor, as reached through a public hostname."""
@@ -115,6 +128,7 @@ class Target:
     client: tuple[str, str] | None = None       # client certificate and key presented, if any
     route: str = ""                             # which way the requests go, and why
     tool_calls: bool = True     # the model's flags enable tool calling (--enable-auto-tool-choice)
+    forward: EdgeForward | None = None  # a home donor's Caddy: base_url through the edge's SSH
 
 
 # vLLM answers a tools request only where the model is served with this flag (and a parser).
@@ -154,7 +168,8 @@ def targets_from_fleet(fleet: dict[str, DonorBox], via: str | None = None,
     there. Else through an edge serving the hostname where that measures this donor alone
     (_edge_route), verified against our CA when the edge's public TLS is ours; else to the
     donor's own GPU-side Caddy (ssh_host, caddy_https_port), verified against our CA,
-    presenting the operator's client certificate from the client CA (OPERATOR_CLIENT)."""
+    presenting the operator's client certificate from the client CA (OPERATOR_CLIENT); a home
+    donor's Caddy (at its tunnel address) through its edge's SSH (`forward`, _forward)."""
     targets = []
     for name, data in fleet.items():
         settings = data.acceptance
@@ -169,7 +184,7 @@ def targets_from_fleet(fleet: dict[str, DonorBox], via: str | None = None,
                 continue
             seen.add(route.model)
             ca = pki_dir(data) / "ca.crt"
-            client, edge = None, None
+            client, edge, forward = None, None, None
             if via:
                 base, ca_file, route_note = via.rstrip("/"), None, f"through {via} (--via)"
             else:
@@ -184,8 +199,11 @@ def targets_from_fleet(fleet: dict[str, DonorBox], via: str | None = None,
                 ca_file = str(ca)
                 pair = pki_for(data).client_pair(OPERATOR_CLIENT)
                 client = (str(pair[0]), str(pair[1]))
-                route_note = (f"to the donor's Caddy with client certificate {OPERATOR_CLIENT} "
-                              f"({route_note})")
+                forward = _forward(data)
+                through = (f" at {forward.address}:{forward.port} through edge {forward.edge}'s "
+                           "SSH forward," if forward else "")
+                route_note = (f"to the donor's Caddy{through} with client certificate "
+                              f"{OPERATOR_CLIENT} ({route_note})")
             targets.append(Target(
                 donor=name, card=card.name, model=route.model,
                 checkpoint=model.checkpoint, max_model_len=model.max_model_len,
@@ -193,8 +211,19 @@ def targets_from_fleet(fleet: dict[str, DonorBox], via: str | None = None,
                 card_acceptance=card_acc, tolerance=settings.tolerance,
                 stack={"vllm_version": data.vllm_version, "torch_version": data.torch_version},
                 client=client, route=route_note,
-                tool_calls=TOOL_CHOICE_FLAG in model.args))
+                tool_calls=TOOL_CHOICE_FLAG in model.args, forward=forward))
     return targets
+
+
+def _forward(data: DonorBox) -> EdgeForward | None:
+    """How a home donor's Caddy is reached from here: its tunnel address (its ssh_hostname) is
+    the edge's to reach, so through the edge's SSH, as its own SSH goes (ssh_jump); None for a
+    donor reached directly."""
+    if data.reach != "tunnel" or data.ssh_jump_data is None:
+        return None
+    return EdgeForward(edge=data.ssh_jump, jump=data.ssh_jump_data, address=data.ssh_hostname,
+                       port=data.caddy_https_port)
+
 
 class Loose(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -7,6 +7,9 @@
   gets);
 - `SshRunner`: commands on a host over SSH with the inventory's SSH data (its key, port and
   known_hosts file: an unknown or changed host key is refused; sudo for a user not root);
+- `SshForward`: a home donor's Caddy on a loopback port here for as long as a `with` lasts (one
+  OpenSSH local forward through its edge: `make accept`'s many requests pay no SSH handshake
+  each, where `PinnedHTTPS(proxy=...)` starts one `ssh -W` per connection);
 - `wait_until`: poll a check until it passes or a deadline passes, saying why it did not.
 
 Paths on this machine (the CA, the client pairs) come from donorkit.paths' one resolver; Caddy's
@@ -21,6 +24,7 @@ import shlex
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 from donorkit.paths import pki_dir
 
 if TYPE_CHECKING:
-    from donorkit.host_data import DonorBox, EdgeBox
+    from donorkit.host_data import DonorBox, EdgeBox, SshJump
 
 T = TypeVar("T")
 
@@ -155,6 +159,88 @@ class SshRunner:
 
     def close(self) -> None:
         self._client.close()
+
+
+class ForwardError(OSError):
+    """An SSH forward that did not come up, and why (one line: ssh's own last words)."""
+
+
+class SshForward:
+    """`address:port` as the edge reaches it (a home donor's Caddy at its tunnel address), on
+    127.0.0.1:`local_port` here while the `with` lasts: one OpenSSH local forward through the
+    edge (donorkit.tunnel.forward_command: the edge's own SSH data, its host key checked, no
+    prompt), its words as argv, never through a shell. Entering waits until the forward listens,
+    else raises ForwardError; leaving stops ssh. Each connection to the local port is a channel
+    of the one SSH connection: no handshake of its own."""
+
+    def __init__(self, jump: SshJump, address: str, port: int, timeout: float = 30) -> None:
+        self.jump, self.address, self.port, self.timeout = jump, address, port, timeout
+        self.local_port = 0
+        self._process: subprocess.Popen | None = None
+        self._log = None
+
+    def __enter__(self) -> SshForward:
+        from donorkit.tunnel import forward_command  # tunnel.py's value types import schema
+
+        self.local_port = free_port()
+        self._log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while it runs
+        self._process = subprocess.Popen(
+            forward_command(self.jump, self.local_port, self.address, self.port),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
+        try:
+            why = wait_until(self._listening, self.timeout, interval=0.1)
+        except ForwardError:
+            self.close()
+            raise
+        if why:
+            said = self.said()
+            self.close()
+            raise ForwardError(f"{why} after {self.timeout:g} s"
+                               + (f" (ssh: {said})" if said else ""))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _listening(self) -> str | None:
+        """None once the local port accepts; why not yet; ForwardError when ssh has ended."""
+        if self._process.poll() is not None:
+            raise ForwardError(f"ssh to {self.jump.ssh_user}@{self.jump.ssh_hostname}:"
+                               f"{self.jump.ssh_port} exited with status "
+                               f"{self._process.returncode}: {self.said() or 'no message'}")
+        try:
+            socket.create_connection(("127.0.0.1", self.local_port), 1).close()
+        except OSError as exc:
+            return f"nothing listens on 127.0.0.1:{self.local_port} ({exc})"
+        return None
+
+    def said(self) -> str:
+        """ssh's last line on stderr so far ('' if none): why a channel or the forward failed."""
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        lines = self._log.read().decode(errors="replace").strip().splitlines()
+        return lines[-1].strip()[:300] if lines else ""
+
+    def close(self) -> None:
+        if self._process and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._log:
+            self._log.close()
+            self._log = None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick; a process that takes it first makes
+    the forward fail at once: ExitOnForwardFailure)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def wait_until(check: Callable[[], T | None], timeout: float, interval: float = 1.0,

@@ -12,7 +12,8 @@ inventory alone (no host is asked):
   its own from its own file) and its nftables table (templates/tunnel.nft.j2);
 - how the operator's machine reaches a tunnelled donor: SSH to its tunnel address through the
   edge (OpenSSH's `-W`, a ProxyCommand for pyinfra, `make verify`, `make status` and the
-  rollout);
+  rollout), and its Caddy through the edge (`-W` per request for status and the rollout; a
+  local forward, `-L`, for the whole of `make accept`'s measurement);
 - what the join file the operator hands the donor's owner holds (donorkit/tunnel_join.py
   writes and reads it).
 
@@ -266,17 +267,30 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
         })
 
 
-def proxy_command(jump: EdgeBox | SshJump, target: str, port: int) -> list[str]:
-    """OpenSSH's `ssh -W target:port` through the edge, with the edge's own SSH data (its key,
-    its known_hosts file; an unknown or changed host key refused, never a prompt)."""
+def _to_edge(jump: EdgeBox | SshJump) -> list[str]:
+    """OpenSSH to the edge with its own SSH data (its key, its known_hosts file; an unknown or
+    changed host key refused, never a prompt), up to where the stream's own words go."""
     words = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
              "-o", "ConnectTimeout=10", "-p", str(jump.ssh_port)]
     if jump.ssh_key:
         words += ["-i", jump.ssh_key, "-o", "IdentitiesOnly=yes"]
     if jump.ssh_known_hosts_file:
         words += ["-o", f"UserKnownHostsFile={jump.ssh_known_hosts_file}"]
-    words += ["-W", f"{target}:{port}", f"{jump.ssh_user}@{jump.ssh_hostname}"]
     return words
+
+
+def proxy_command(jump: EdgeBox | SshJump, target: str, port: int) -> list[str]:
+    """OpenSSH's `ssh -W target:port` through the edge: one TCP stream on its stdin/stdout."""
+    return [*_to_edge(jump), "-W", f"{target}:{port}", f"{jump.ssh_user}@{jump.ssh_hostname}"]
+
+
+def forward_command(jump: SshJump, local_port: int, target: str, port: int) -> list[str]:
+    """OpenSSH's local forward through the edge: 127.0.0.1:local_port here to target:port as
+    the edge reaches it (a home donor's tunnel address), no remote command, and an exit when
+    the port cannot be bound (`ExitOnForwardFailure`) instead of a session without it."""
+    return [*_to_edge(jump), "-N", "-o", "ExitOnForwardFailure=yes",
+            "-L", f"127.0.0.1:{int(local_port)}:{target}:{int(port)}",
+            f"{jump.ssh_user}@{jump.ssh_hostname}"]
 
 
 def ssh_config(data: DonorBox) -> str:

@@ -6,7 +6,8 @@ runs `make join` at tb-home's console (pyinfra's @local connector: the tunnel on
 printed keys; the operator pastes them, deploys the edge (the peer is added), then deploys
 tb-home through the edge (SSH -W over the tunnel) with the same entry point as any donor. Then:
 it serves through the edge (a request loop with 0 failures), a second run changes nothing,
-`make verify` passes its tunnel checks, the firewall lets only the edge's tunnel address in, the
+`make accept` measures it on its own Caddy through the edge's SSH, `make verify` passes its
+tunnel checks, the firewall lets only the edge's tunnel address in, the
 tunnel is cut on the edge's side and tb-home is back in the pool by itself (the time it took),
 and tb-never (in the donors file, never joined) gets no traffic. Everything real: wireguard-go
 (this kernel has no WireGuard module), wg-quick under systemd, nftables, sshd, Caddy.
@@ -28,9 +29,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from donorkit.acceptance import Record
 from donorkit.fleet import load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
+from donorkit.pki import OPERATOR_CLIENT
 from donorkit.transport import wait_until
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, on_console, ssh
@@ -46,6 +49,7 @@ HOSTS = [(EDGE, "10.213.0.20"), (HOME, "10.213.0.30")]
 PKI = REPO_ROOT / ".testbed/pki"
 HOSTNAME = "hermes.ai.unturf.com"
 IFACE = "wg-uncloseai"
+LOG = "/var/log/caddy/access.log"
 # Where the owner keeps the checkout on the box.
 CHECKOUT = "/root/donorkit"
 TIMES: dict[str, float] = {}
@@ -282,6 +286,51 @@ def test_it_serves_through_the_edge_and_the_never_joined_gets_nothing(
     [model] = rows[HOME]["models"]
     assert model["ready"] and model["state"] == "active/running", rows[HOME]
     assert rows[HOME]["toolkit"] and not rows[HOME].get("unreachable"), rows[HOME]
+
+
+def chat_requests(log: str) -> list[dict]:
+    """The OpenAI client's chat completions in a Caddy access log (its JSON lines)."""
+    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [e["request"] for e in entries if e["request"]["uri"] == "/v1/chat/completions"
+            and e["request"]["headers"].get("User-Agent", [""])[0].startswith("AsyncOpenAI")]
+
+
+def test_accept_measures_it_on_its_caddy_through_the_edges_ssh(hosts: dict[str, Host]) -> None:
+    """`make accept LIMIT=tb-home`: tb-edge spreads the hostname over tb-home and tb-never, so
+    tb-home is measured on its own Caddy, at its tunnel address, which only the edge reaches:
+    through one SSH forward through tb-edge for the whole run, with the operator's client
+    certificate. The record names that way and has every figure (the stand-in's chat); tb-home's
+    Caddy logged the run's chat requests, each from the edge's tunnel address; tb-edge's Caddy
+    logged none (they did not go through its public site)."""
+    fleet, edges = inventory()
+    tunnel, edge_tunnel = fleet[HOME].tunnel_address, edges[EDGE].tunnel_address
+    started = time.monotonic()
+    result = subprocess.run(["make", "-s", "accept", f"LIMIT={HOME}"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, DONORS_FILE=str(DONORS)))
+    TIMES["make accept through the edge's SSH"] = time.monotonic() - started
+    output = result.stdout + result.stderr
+    print(output[-3000:])
+    assert result.returncode == 0, output[-4000:]
+    path = next(line.split("record: ", 1)[1] for line in result.stdout.splitlines()
+                if line.startswith("record: "))
+    record = Record.model_validate_json(Path(path).read_text())
+    assert (record.donor, record.via) == (HOME, f"https://{tunnel}:443")
+    assert record.route.startswith(
+        f"to the donor's Caddy at {tunnel}:443 through edge {EDGE}'s SSH forward, with client "
+        f"certificate {OPERATOR_CLIENT} (edge {EDGE} spreads it over 2 donors"), record.route
+    res = record.results["qwen"]
+    assert res.error is None and res.checks["models"].ok and res.checks["version"].ok, res
+    assert res.details["version"]["version"] == "0.26.0-standin"
+    for figure in ("ttft_s", "decode_tok_s", "prefill_tok_s", "concurrent_wall_s"):
+        assert res.figures[figure] and res.figures[figure] > 0, (figure, res.figures)
+    FIGURES["accept"] = {name: round(value, 3) for name, value in res.figures.items()
+                         if value is not None}
+    # chat, two to size the prompts, prefill, the concurrent ones: on tb-home, from the edge.
+    chats = chat_requests(on_console(hosts[HOME], f"sleep 0.5; cat {LOG}").stdout)
+    assert len(chats) == 4 + record.workload.concurrent_prompts, len(chats)
+    assert {chat["remote_ip"] for chat in chats} == {edge_tunnel}, chats[0]
+    assert chat_requests(ssh(hosts[EDGE], f"cat {LOG}").stdout) == []
 
 
 def test_verify_checks_the_tunnel(hosts: dict[str, Host], tmp_path: Path) -> None:

@@ -370,3 +370,59 @@ def test_tool_calls_are_measured_only_where_the_model_is_served_with_them(
     targets = {t.model: t for t in a.targets_from_fleet(fleet, "http://127.0.0.1:1", {})}
     assert targets["qwen"].tool_calls is False
     assert targets["hermes"].tool_calls is True
+
+
+def test_measure_against_the_testbeds_vllm_standin(tmp_path: Path) -> None:
+    """accept's whole measurement (models, version, the chat stream, prefill, the concurrent
+    prompts) with the real OpenAI client against the testbed's vLLM stand-in, as the testbed's
+    home donor is measured: every figure and required check there."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    standin = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests/testbed/standins/"
+                                                    "vllm-standin"), "serve", "o/m", "--host",
+                                "127.0.0.1", "--port", str(port), "--max-model-len", "4096"],
+                               env={**os.environ, "VLLM_STANDIN_LOAD_DELAY": "0"},
+                               stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while a.unreachable(_target(base_url=f"http://127.0.0.1:{port}")):
+            assert time.monotonic() < deadline and standin.poll() is None
+            time.sleep(0.1)
+        target = _target(base_url=f"http://127.0.0.1:{port}", tool_calls=False)
+        out = asyncio.run(a.measure(target, lambda _: None))
+    finally:
+        standin.terminate()
+        standin.wait()
+    assert out["checks"]["models"]["ok"] and out["checks"]["version"]["ok"]
+    figures = out["figures"]
+    for name in ("ttft_s", "decode_tok_s", "prefill_tok_s", "concurrent_wall_s"):
+        assert figures[name] and figures[name] > 0, (name, figures)
+    assert out["details"]["chat"]["completion_tokens"] == 8
+    assert out["details"]["concurrent"]["prompts"] == 2
+    assert 3 < out["details"]["chars_per_token"] < 5  # characters / 4, as the stand-in counts
+
+
+def test_a_stream_without_usage_says_what_it_carried() -> None:
+    """An engine's error inside a 200 stream (a chunk with no usage, no choices) is named in the
+    error, not only "no usage"."""
+    from types import SimpleNamespace
+
+    from openai.types.chat import ChatCompletionChunk
+
+    async def chunks():
+        yield ChatCompletionChunk.construct(object="error", message="KV cache is full")
+
+    async def create(**_):
+        return chunks()
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    with pytest.raises(RuntimeError, match=r"no usage \(is this vLLM\?\): 1 chunk\(s\), the last "
+                                           r'\{"object": "error", "message": "KV cache is full"'):
+        asyncio.run(a._stream(client, "o/m", "hi", 4))
