@@ -14,19 +14,7 @@ from pathlib import Path
 
 import paramiko
 
-
-def key_file(path: Path) -> Path:
-    """An Ed25519 private key in OpenSSH's format at `path` (0600), made once."""
-    if not path.exists():
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-
-        key = ed25519.Ed25519PrivateKey.generate()
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.OpenSSH,
-                                           serialization.NoEncryption()))
-        path.chmod(0o600)
-    return path
+from pyinfra_declared.tests.test_ssh_socket import _key_file  # the same key maker
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -114,10 +102,10 @@ def serve(directory: Path) -> Iterator[LoopbackSshd]:
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
-    host_key = paramiko.Ed25519Key.from_private_key_file(str(key_file(directory / "host-key")))
+    host_key = paramiko.Ed25519Key.from_private_key_file(str(_key_file(directory, "host")))
     known_hosts = directory / "known_hosts"
     known_hosts.write_text(f"[127.0.0.1]:{port} {host_key.get_name()} {host_key.get_base64()}\n")
-    server = LoopbackSshd(port, key_file(directory / "client-key"), known_hosts)
+    server = LoopbackSshd(port, _key_file(directory, "client"), known_hosts)
 
     def accept() -> None:
         while True:
