@@ -221,15 +221,21 @@ def via_edge(port: int, pki: Path, headers: dict[str, str], timeout: float = 30)
 @pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
 def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str) -> None:
     """The rendered edge (response-header timeout 1 s here) in front of two donors. While a loop
-    of requests runs through it, slow requests (3 s) go through it until each donor got one:
-    each is answered 504 by the edge's timeout, the loop has 0 failures, and both donors keep
-    getting the loop's requests after their slow one."""
+    of requests runs through it, one slow request (3 s) goes to each donor: each is answered 504
+    by the edge's timeout, the loop has 0 failures, and both donors keep getting the loop's
+    requests after their slow one.
+
+    Which donor a request reaches is steered, not left to chance: the edge's policy is
+    round_robin (defaults.yml), so with the loop held back a fast probe shows where the edge's
+    turn stands and the next request goes to the other donor. (Left to chance, six slow requests
+    in a row once all reached the same donor: the loop's steady pace kept the turn's parity.)"""
     binary = caddy_or_skip(binary)
     pki = tmp_path / "pki"
     edge_port = free_port()
     donors, edges = fleet(tmp_path, ["front"], edge_https_port=edge_port,
                           caddy_response_header_timeout="1s")
     edge = in_tmp(edges["front"], tmp_path)
+    assert edge.edge_proxy.lb_policy == "round_robin"  # what the steering below relies on
     servers = {}
     for name, address in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
         Pki(pki).server_cert(name, [HOSTNAME])
@@ -239,13 +245,41 @@ def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str)
     caddy = start_caddy(binary, caddyfile, tmp_path / "admin.sock")
     results: list[tuple[float, int | str]] = []
     done = threading.Event()
+    lane = threading.Lock()  # the loop sends while it holds this; the steering holds it to pause
 
     def loop() -> None:
         n = 0
         while not done.is_set():
-            results.append((time.time(), via_edge(edge_port, pki, {"X-Loop": f"loop-{n}"})))
+            with lane:
+                results.append((time.time(), via_edge(edge_port, pki, {"X-Loop": f"loop-{n}"})))
             n += 1
             time.sleep(0.05)
+
+    def reached(tag: str) -> str | None:
+        return next((name for name, s in servers.items()
+                     if any(t == tag for _, t in s.requests)), None)
+
+    def slow_to(target: str) -> tuple[str | None, int | str, float]:
+        """One slow request steered to `target`: the donor it reached, its status, its time."""
+        answer: list[tuple[int | str, float]] = []
+
+        def send() -> None:
+            started = time.monotonic()
+            status = via_edge(edge_port, pki, {"X-Slow": "3", "X-Loop": f"slow-{target}"})
+            answer.append((status, round(time.monotonic() - started, 1)))
+
+        with lane:
+            for probe in range(2):  # the next turn is the other donor's: at most two probes
+                tag = f"probe-{target}-{probe}"
+                assert via_edge(edge_port, pki, {"X-Loop": tag}) == 200
+                if reached(tag) != target:
+                    break
+            sender = threading.Thread(target=send)
+            sender.start()
+            # The loop goes on once the slow one has reached a donor, while the edge waits on it.
+            wait_until(lambda: None if reached(f"slow-{target}") else "not arrived", 10, 0.02)
+        sender.join()
+        return (reached(f"slow-{target}"), *answer[0])
 
     try:
         wait_port(edge_port, caddy, caddyfile.parent / "caddy.log")
@@ -255,12 +289,8 @@ def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str)
         thread = threading.Thread(target=loop)
         thread.start()
         try:
-            slow = []
-            while len(slow) < 6 and not all(
-                    any(tag == "slow" for _, tag in s.requests) for s in servers.values()):
-                started = time.monotonic()
-                slow.append((via_edge(edge_port, pki, {"X-Slow": "3", "X-Loop": "slow"}),
-                             round(time.monotonic() - started, 1)))
+            time.sleep(0.5)
+            slow = {name: slow_to(name) for name in servers}
             last_slow = time.time()
             time.sleep(3)
         finally:
@@ -273,9 +303,10 @@ def test_a_slow_request_does_not_take_its_donor_out(tmp_path: Path, binary: str)
             server.server_close()
     failed = [(round(at - last_slow, 1), status) for at, status in results if status != 200]
     after = {name: s.since(last_slow) for name, s in servers.items()}
-    print(f"\n{binary}: slow requests {slow}; loop {len(results)} requests, {len(failed)} failed "
-          f"{failed[:5]}; loop requests per donor after the last slow one: {after}")
-    assert all(any(tag == "slow" for _, tag in s.requests) for s in servers.values()), slow
-    assert all(status == 504 and took < 2.5 for status, took in slow), slow
+    print(f"\n{binary}: slow requests (reached, status, seconds) {slow}; loop {len(results)} "
+          f"requests, {len(failed)} failed {failed[:5]}; loop requests per donor after the last "
+          f"slow one: {after}")
+    assert all(reached == name for name, (reached, _, _) in slow.items()), slow
+    assert all(status == 504 and took < 2.5 for _, status, took in slow.values()), slow
     assert len(results) > 40 and failed == [], failed
     assert after["a"] > 0 and after["b"] > 0, after
