@@ -235,11 +235,11 @@ class SshForward:
             self._log = None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick; a process that takes it first makes
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` now (the kernel's pick; a process that takes it first makes
     the forward fail at once: ExitOnForwardFailure)."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]
 
 

@@ -17,13 +17,6 @@ import paramiko
 from pyinfra_declared.tests.test_ssh_socket import _key_file  # the same key maker
 
 
-def free_port(address: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at `address` now."""
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
-
-
 @dataclass
 class LoopbackSshd:
     port: int

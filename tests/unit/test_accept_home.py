@@ -24,7 +24,7 @@ from donorkit import acceptance as core
 from donorkit.fleet import load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.transport import ForwardError, SshForward
+from donorkit.transport import ForwardError, SshForward, free_port
 from donorkit.tunnel import forward_command
 from tests.unit import loopback_sshd
 
@@ -201,7 +201,7 @@ def test_an_unreachable_home_donor_is_one_line(tmp_path: Path, edge_sshd,
                                                capsys: pytest.CaptureFixture) -> None:
     """Nothing at the tunnel address's Caddy port (the box down behind its edge): the edge's
     channel fails, and accept says so in one line with ssh's words; no record."""
-    dead = loopback_sshd.free_port(TUNNEL)
+    dead = free_port(TUNNEL)
     Pki(tmp_path / "pki").server_cert("tb-home", [HOSTNAME])  # our CA, as the deploy made it
     path = donors_file(tmp_path, {"caddy_https_port": dead}, _edge(edge_sshd))
     rc = a.main(["--donors", str(path), "--limit", "tb-home", "--results",

@@ -26,7 +26,7 @@ from donorkit.host_data import Upstream
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, PkiError
 from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
-from donorkit.transport import https_get, wait_until
+from donorkit.transport import free_port, https_get, wait_until
 from tests.unit.make import make
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -465,14 +465,6 @@ PUBLIC = ["/v1/models", "/v1/chat/completions", "/version", "/health", "/docs",
 NOT_PUBLIC = ["/metrics", "/metrics/", "/METRICS", "/metricsx", "/", "/redoc", "/v2/models",
               "/v1", "/static/x.js", "/v1/../metrics", "/v1/%2e%2e/metrics", "//metrics",
               "/health/../metrics", "/server_info", "/reset_prefix_cache", "/sleep", "/pooling"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmDouble:

@@ -28,17 +28,11 @@ from donorkit import pki as pki_module
 from donorkit.fleet import load_inventory
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.render import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
-from donorkit.transport import https_get, wait_until
+from donorkit.transport import free_port, https_get, wait_until
 from tests.unit.test_edge import CADDIES, CADDY_IDS, caddy_or_skip, in_tmp, lay_out
 
 HOSTNAME = "hermes.ai.unturf.com"
 CHECKPOINT = "turboderp/Qwen3.8-27B-exl3"  # the qwen model of defaults.yml
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_caddy(binary: str, caddyfile: Path, admin: Path) -> subprocess.Popen:

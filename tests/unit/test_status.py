@@ -5,13 +5,13 @@ whole command against real boxes is the testbed's (tests/testbed/test_status.py)
 from __future__ import annotations
 
 import json
-import socket
 import textwrap
 
 from donorkit import status, status_view
 from donorkit.fleet import load_inventory
 from donorkit.limit import select
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import free_port
 
 
 def test_metrics_are_summed_per_name_and_the_retired_name_ignored() -> None:
@@ -74,12 +74,6 @@ def test_the_table_has_a_row_per_model_and_member_and_a_line_per_unreachable_box
     assert lines[-1] == ("b: UNREACHABLE (donor, root@10.0.0.2:22): NoValidConnectionsError: "
                          "[Errno None] Unable to connect")
     assert status.problems([donor, gone, edge]) == ["b: unreachable"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_boxes_are_one_line_each_and_exit_1(tmp_path, capsys) -> None:

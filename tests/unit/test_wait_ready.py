@@ -7,7 +7,6 @@ small TEST DOUBLES on PATH; the testbed runs the gate against real systemd units
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,11 @@ from pathlib import Path
 import pytest
 
 from donorkit.paths import REPO_ROOT
+from donorkit.transport import free_port
 
 GATE = REPO_ROOT / "files/wait_ready.py"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"
 MODEL = "turboderp/Qwen3.8-27B-exl3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
