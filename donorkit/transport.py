@@ -18,9 +18,11 @@ durations from donorkit.values.duration_ns.
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import os
 import shlex
+import signal
 import socket
 import ssl
 import subprocess
@@ -164,6 +166,23 @@ class SshRunner:
 class ForwardError(OSError):
     """An SSH forward that did not come up, and why (one line: ssh's own last words)."""
 
+    ssh_said = ""  # all ssh wrote on stderr, where it had ended
+
+
+def _end_with_parent(signum: int) -> Callable[[], None]:
+    """A Popen `preexec_fn`: the child gets `signum` when the thread that started it ends
+    (prctl PR_SET_PDEATHSIG; Linux, as the operator's machine is). A parent already gone by then
+    sends the signal at once."""
+    libc = ctypes.CDLL(None, use_errno=True)  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(1, signum)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+    return arm
+
 
 class SshForward:
     """`address:port` as the edge reaches it (a home donor's Caddy at its tunnel address), on
@@ -171,7 +190,15 @@ class SshForward:
     edge (donorkit.tunnel.forward_command: the edge's own SSH data, its host key checked, no
     prompt), its words as argv, never through a shell. Entering waits until the forward listens,
     else raises ForwardError; leaving stops ssh. Each connection to the local port is a channel
-    of the one SSH connection: no handshake of its own."""
+    of the one SSH connection: no handshake of its own.
+
+    The local port is the kernel's pick a moment before ssh binds it: if another process took it
+    meanwhile, ssh says so and exits (ExitOnForwardFailure) and another port is tried, up to
+    `PORT_TRIES` in all. ssh ends with the thread that started it (Linux's parent-death
+    signal): a `make accept` killed outright (SIGKILL, or a SIGTERM that Python does not clean
+    up after) leaves no ssh -N behind. So start it in the thread that uses it."""
+
+    PORT_TRIES = 3
 
     def __init__(self, jump: SshJump, address: str, port: int, timeout: float = 30) -> None:
         self.jump, self.address, self.port, self.timeout = jump, address, port, timeout
@@ -180,16 +207,27 @@ class SshForward:
         self._log = None
 
     def __enter__(self) -> SshForward:
+        for _ in range(self.PORT_TRIES - 1):
+            try:
+                return self._start()
+            except ForwardError as exc:
+                if "Address already in use" not in exc.ssh_said:
+                    raise
+        return self._start()
+
+    def _start(self) -> SshForward:
         from donorkit.tunnel import forward_command  # tunnel.py's value types import schema
 
         self.local_port = free_port()
         self._log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while it runs
         self._process = subprocess.Popen(
             forward_command(self.jump, self.local_port, self.address, self.port),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+            preexec_fn=_end_with_parent(signal.SIGTERM))
         try:
             why = wait_until(self._listening, self.timeout, interval=0.1)
-        except ForwardError:
+        except ForwardError as exc:
+            exc.ssh_said = self._log_text()
             self.close()
             raise
         if why:
@@ -216,11 +254,14 @@ class SshForward:
 
     def said(self) -> str:
         """ssh's last line on stderr so far ('' if none): why a channel or the forward failed."""
+        lines = self._log_text().strip().splitlines()
+        return lines[-1].strip()[:300] if lines else ""
+
+    def _log_text(self) -> str:
         if self._log is None:
             return ""
         self._log.seek(0)
-        lines = self._log.read().decode(errors="replace").strip().splitlines()
-        return lines[-1].strip()[:300] if lines else ""
+        return self._log.read().decode(errors="replace")
 
     def close(self) -> None:
         if self._process and self._process.poll() is None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +24,12 @@ import yaml
 
 from donorkit import accept as a
 from donorkit import acceptance as core
+from donorkit import transport
 from donorkit.fleet import load_inventory
+from donorkit.host_data import SshJump
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.transport import ForwardError, SshForward, free_port
+from donorkit.transport import ForwardError, SshForward, free_port, wait_until
 from donorkit.tunnel import forward_command
 from tests.unit import loopback_sshd
 
@@ -236,19 +241,67 @@ def test_a_forward_whose_port_is_taken_fails_at_once(tmp_path: Path, edge_sshd,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """ExitOnForwardFailure: a local port already taken ends ssh at once with its reason,
     rather than a session that forwards nothing."""
-    import socket
-
-    from donorkit import transport
-    from donorkit.host_data import SshJump
-
     taken = socket.socket()  # bound, not listening: nothing answers there but ssh may not bind
     taken.bind(("127.0.0.1", 0))
-    monkeypatch.setattr(transport, "free_port", lambda: taken.getsockname()[1])
-    jump = SshJump(**{"ssh_user": "root", "ssh_hostname": "127.0.0.1",
-                      **{k: v for k, v in _edge(edge_sshd).items() if k != "ssh_host"}})
+    picked: list[int] = []
+    monkeypatch.setattr(transport, "free_port",
+                        lambda: picked.append(taken.getsockname()[1]) or picked[-1])
     started = time.monotonic()
     with pytest.raises(ForwardError, match="exited with status 255: .*(forward|in use)"):
-        with SshForward(jump, TUNNEL, 443):
+        with SshForward(_jump(edge_sshd), TUNNEL, 443):
             pass
     assert time.monotonic() - started < 10
+    assert len(picked) == SshForward.PORT_TRIES  # each try found it taken
     taken.close()
+
+
+def _jump(sshd: loopback_sshd.LoopbackSshd) -> SshJump:
+    return SshJump(**{"ssh_user": "root", "ssh_hostname": "127.0.0.1",
+                      **{k: v for k, v in _edge(sshd).items() if k != "ssh_host"}})
+
+
+def test_a_local_port_taken_before_ssh_binds_it_is_picked_again(
+        edge_sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race between the kernel's pick and ssh's bind: the first pick was taken meanwhile,
+    ssh exits saying so, and the forward comes up on the next pick."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    picks = iter([taken.getsockname()[1], free_port()])
+    monkeypatch.setattr(transport, "free_port", lambda: next(picks))
+    with SshForward(_jump(edge_sshd), TUNNEL, 443) as forward:
+        assert forward.local_port != taken.getsockname()[1]
+        socket.create_connection(("127.0.0.1", forward.local_port), 3).close()
+    taken.close()
+
+
+def test_ssh_ends_when_the_command_that_started_it_is_killed(tmp_path: Path, edge_sshd) -> None:
+    """A `make accept` killed outright (SIGKILL: no `with` exit runs) leaves no ssh -N behind:
+    ssh gets the parent-death signal."""
+    script = (
+        "import json, sys, time\n"
+        "from donorkit.host_data import SshJump\n"
+        "from donorkit.transport import SshForward\n"
+        "with SshForward(SshJump(**json.loads(sys.argv[1])), sys.argv[2], 443) as forward:\n"
+        "    print(forward._process.pid, flush=True)\n"
+        "    time.sleep(60)\n")
+    command = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(_jump(edge_sshd).model_dump(mode="json")),
+         TUNNEL], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        ssh = int(command.stdout.readline())
+        assert Path(f"/proc/{ssh}").exists()
+        command.kill()
+        command.wait()
+        gone = wait_until(lambda: None if not _alive(ssh) else f"ssh {ssh} still runs", 5, 0.1)
+        assert gone is None, gone
+    finally:
+        command.kill()
+        command.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended (its parent, this test, did not reap it)
