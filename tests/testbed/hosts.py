@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
+from donorkit.transport import wait_until
+
 from . import containers, cuda_standin, network, rootfs, www
 from .common import REPO_ROOT, WORK, apt_install_missing, log, phase, run
 
@@ -194,14 +196,20 @@ def _wait_ready(hosts: list[Host], restart) -> None:
 def _console_when_booted(host: Host, timeout: float) -> subprocess.CompletedProcess:
     """`systemctl is-system-running --wait` at a home box's console, once its systemd runs."""
     deadline = time.monotonic() + timeout
-    while True:
+    answer: list[subprocess.CompletedProcess] = []
+
+    def answered() -> str | None:
         try:
-            return on_console(host, "systemctl is-system-running --wait", check=False,
-                              timeout=max(5.0, deadline - time.monotonic()))
-        except (RuntimeError, OSError, subprocess.CalledProcessError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.3)
+            answer.append(on_console(host, "systemctl is-system-running --wait", check=False,
+                                     timeout=max(5.0, deadline - time.monotonic())))
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            return f"{host.name}: its console did not answer within {timeout:.0f} s ({exc})"
+        return None
+
+    why = wait_until(answered, timeout, 0.3)
+    if why:
+        raise RuntimeError(why)
+    return answer[0]
 
 
 def _keyscan(host: Host, deadline: float, restart) -> str:
@@ -209,7 +217,10 @@ def _keyscan(host: Host, deadline: float, restart) -> str:
     kernel: containers.exited) is started once more, saying so, with its exit status and console
     output in the log line; a second exit fails the run."""
     retried = False
-    while time.monotonic() < deadline:
+    keys: list[str] = []
+
+    def answered() -> str | None:
+        nonlocal retried
         status = containers.exited(host.pid, host.name) if host.pid else None
         if status:
             console = containers.console_log(host.name)
@@ -223,9 +234,14 @@ def _keyscan(host: Host, deadline: float, restart) -> str:
             retried = True
         out = run(["ssh-keyscan", "-T", "2", host.ip], check=False, quiet=True).stdout
         if out.strip():
-            return out
-        time.sleep(0.3)
-    raise RuntimeError(f"{host.name}: sshd did not answer within {READY_TIMEOUT:.0f} s")
+            keys.append(out)
+            return None
+        return f"{host.name}: sshd did not answer within {READY_TIMEOUT:.0f} s"
+
+    why = wait_until(answered, max(0.0, deadline - time.monotonic()), 0.3)
+    if why:
+        raise RuntimeError(why)
+    return keys[0]
 
 
 def down(times: dict[str, float] | None = None) -> None:

@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from donorkit.transport import wait_until
+
 from . import tiny_model
 from .common import REPO_ROOT, STANDINS, WORK, find_pids, log, run
 from .hub_standin import generate_checkpoint
@@ -69,17 +71,20 @@ def start_http(www: Path = WWW, hub: Path = HUB) -> int:
                              "--directory", str(www), "--hub-root", str(hub)],
                             cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def listening() -> str | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"http.server exited {proc.returncode}; see {logs / 'http.log'}")
         try:
             socket.create_connection((GATEWAY, PORT), timeout=1).close()
-            return proc.pid
-        except OSError:
-            if proc.poll() is not None:
-                msg = f"http.server exited {proc.returncode}; see {logs / 'http.log'}"
-                raise RuntimeError(msg) from None
-            time.sleep(0.1)
-    raise RuntimeError(f"http.server did not listen on {GATEWAY}:{PORT}")
+        except OSError as exc:
+            return f"http.server did not listen on {GATEWAY}:{PORT} ({exc})"
+        return None
+
+    why = wait_until(listening, 10, 0.1)
+    if why:
+        raise RuntimeError(why)
+    return proc.pid
 
 
 def is_http(cmdline: list[str]) -> bool:
