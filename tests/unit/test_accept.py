@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
-import threading
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from donorkit.fleet import load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.schema import RateLimit
+from tests.unit import version_server
 from tests.unit.host_edit import put
 
 BASE = core.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
@@ -202,55 +200,31 @@ def test_long_prompt_is_unique_and_sized() -> None:
     assert len(one) == 3000 and one != two and one.split("\n", 1)[1] == two.split("\n", 1)[1]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    seen: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.seen.append(self.headers["Host"])
-        body = b'{"version": "0.32.0"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+async def _get_version(target: core.Target) -> dict:
+    """GET /version with `make accept`'s own client for that target."""
+    client, http = a._client(target)
+    async with client:
+        reply = await http.get(f"{target.base_url}/version")
+        return reply.json()
 
 
 def test_client_sends_public_name_and_verifies_our_ca(tmp_path: Path) -> None:
     """Connecting to an address (the donor's ssh_host) with the public hostname as TLS server
     name and Host, the certificate checked against our CA, as `make accept` does per donor."""
-    cert, key = Pki(tmp_path / "pki").server_cert("tb-cpu", ["qwen.example.test"])
-    (tmp_path / "c.pem").write_text(cert)
-    (tmp_path / "k.pem").write_text(key)
-    names: list[str | None] = []
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
-    ctx.sni_callback = lambda sock, name, _ctx: names.append(name)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"https://127.0.0.1:{server.server_address[1]}"
-
-    async def get(target: core.Target) -> dict:
-        client, http = a._client(target)
-        async with client:
-            reply = await http.get(f"{target.base_url}/version")
-            return reply.json()
-
-    try:
-        ca = str(tmp_path / "pki" / "ca.crt")
-        assert asyncio.run(get(_target(base_url=base, ca_file=ca))) == {"version": "0.32.0"}
-        assert names == ["qwen.example.test"]
-        assert _Handler.seen[-1] == "qwen.example.test"
+    ca = str(tmp_path / "pki" / "ca.crt")
+    with version_server.serve(Pki(tmp_path / "pki"), "tb-cpu", "qwen.example.test", "0.32.0",
+                              tmp_path) as caddy:
+        base = caddy.base_url
+        assert asyncio.run(_get_version(_target(base_url=base, ca_file=ca))) == \
+            {"version": "0.32.0"}
+        assert caddy.names == ["qwen.example.test"]
+        assert caddy.hosts == ["qwen.example.test"]
         # A certificate for another name, or no CA, is refused.
         with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED|certificate"):
-            asyncio.run(get(_target(base_url=base, ca_file=ca, hostname="other.example.test")))
+            asyncio.run(_get_version(_target(base_url=base, ca_file=ca,
+                                             hostname="other.example.test")))
         with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED|certificate"):
-            asyncio.run(get(_target(base_url=base, ca_file=None)))
-    finally:
-        server.shutdown()
+            asyncio.run(_get_version(_target(base_url=base, ca_file=None)))
 
 
 def test_route_edge_only_for_a_lone_unlimited_donor_else_client_certificate(
@@ -295,33 +269,15 @@ def test_client_presents_the_operator_certificate_to_a_caddy_requiring_one(
     """A server that requires a certificate from our client CA (as every donor's Caddy does)
     answers `make accept`'s client with the operator's pair, and refuses it without one."""
     pki = Pki(tmp_path / "pki")
-    cert, key = pki.server_cert("tb-cpu", ["qwen.example.test"])
-    (tmp_path / "c.pem").write_text(cert)
-    (tmp_path / "k.pem").write_text(key)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.load_verify_locations(cadata=pki.client_ca_pem())
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"https://127.0.0.1:{server.server_address[1]}"
+    ca = str(tmp_path / "pki" / "ca.crt")
     pair = tuple(str(p) for p in pki.client_pair(OPERATOR_CLIENT))
-
-    async def get(target: core.Target) -> dict:
-        client, http = a._client(target)
-        async with client:
-            reply = await http.get(f"{target.base_url}/version")
-            return reply.json()
-
-    try:
-        ca = str(tmp_path / "pki" / "ca.crt")
-        assert asyncio.run(get(_target(base_url=base, ca_file=ca, client=pair))) == \
+    with version_server.serve(pki, "tb-cpu", "qwen.example.test", "0.32.0", tmp_path,
+                              client_ca=True) as caddy:
+        base = caddy.base_url
+        assert asyncio.run(_get_version(_target(base_url=base, ca_file=ca, client=pair))) == \
             {"version": "0.32.0"}
         with pytest.raises(Exception):  # noqa: B017 - the handshake fails (alert or reset)
-            asyncio.run(get(_target(base_url=base, ca_file=ca)))
-    finally:
-        server.shutdown()
+            asyncio.run(_get_version(_target(base_url=base, ca_file=ca)))
 
 
 def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(

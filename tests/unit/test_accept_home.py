@@ -10,13 +10,10 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT, Pki
 from donorkit.transport import ForwardError, SshForward, free_port, wait_until
 from donorkit.tunnel import forward_command
-from tests.unit import loopback_sshd
+from tests.unit import loopback_sshd, version_server
 
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
 HOSTNAME = "hermes.ai.unturf.com"
@@ -101,46 +98,13 @@ def test_a_home_donor_alone_behind_an_unlimited_edge_goes_through_the_edge(
     assert target.forward is None
 
 
-class _Caddy(BaseHTTPRequestHandler):
-    """The donor's Caddy, as far as this test needs: /version, and the Host each request had."""
-
-    hosts: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.hosts.append(self.headers["Host"])
-        body = json.dumps({"version": "0.26.0-standin"}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture
-def home_caddy(tmp_path: Path) -> Iterator[tuple[int, list[str | None]]]:
-    """A TLS server at the tunnel address with a certificate of our CA for the public name,
-    answering only a client certificate of our client CA (as a donor's Caddy): (its port, the
-    server names the handshakes asked for)."""
-    pki = Pki(tmp_path / "pki")
-    cert, key = pki.server_cert("tb-home", [HOSTNAME])
-    (tmp_path / "c.pem").write_text(cert)
-    (tmp_path / "k.pem").write_text(key)
-    names: list[str | None] = []
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.load_verify_locations(cadata=pki.client_ca_pem())
-    ctx.sni_callback = lambda sock, name, _ctx: names.append(name)
-    server = ThreadingHTTPServer((TUNNEL, 0), _Caddy)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1], names
-    finally:
-        server.shutdown()
+def home_caddy(tmp_path: Path) -> Iterator[version_server.VersionServer]:
+    """The donor's Caddy at the tunnel address: a certificate of our CA for the public name,
+    only a client certificate of our client CA let in."""
+    with version_server.serve(Pki(tmp_path / "pki"), "tb-home", HOSTNAME, "0.26.0-standin",
+                              tmp_path, address=TUNNEL, client_ca=True) as caddy:
+        yield caddy
 
 
 @pytest.fixture
@@ -164,7 +128,7 @@ def test_accept_measures_a_home_donor_through_one_ssh_forward(
     connection to the edge, each on a channel to the tunnel address, with the public name as
     SNI and Host and the operator's client certificate; the record says which way; ssh is gone
     afterwards."""
-    port, names = home_caddy
+    port = home_caddy.port
     seen: list[str] = []
 
     async def a_few_requests(target: core.Target, progress) -> dict:
@@ -195,7 +159,7 @@ def test_accept_measures_a_home_donor_through_one_ssh_forward(
     assert base.startswith("https://127.0.0.1:") and base != f"https://127.0.0.1:{port}"
     assert set(edge_sshd.opened) == {(TUNNEL, port)} and len(edge_sshd.opened) >= 4
     assert len(edge_sshd.sessions) == 1
-    assert set(names) == {HOSTNAME} and _Caddy.hosts[-3:] == [HOSTNAME] * 3
+    assert set(home_caddy.names) == {HOSTNAME} and home_caddy.hosts == [HOSTNAME] * 3
     deadline = time.monotonic() + 10
     while edge_sshd.sessions[0].is_active() and time.monotonic() < deadline:
         time.sleep(0.1)
