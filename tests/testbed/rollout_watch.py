@@ -15,6 +15,8 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from donorkit.rollout_hosts import gpu_side_check
@@ -44,6 +46,14 @@ class RequestLoop:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._lane = threading.Lock()  # a round holds it: `held` waits for the one in flight
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No request of the loop's while the `with` lasts (a round in flight finishes first):
+        a test's own requests through the edge meanwhile meet no loop request there."""
+        with self._lane:
+            yield
 
     def __enter__(self) -> RequestLoop:
         self._thread.start()
@@ -63,15 +73,16 @@ class RequestLoop:
                 targets = [(box.name, lambda box=box: gpu_side_check(
                     box, self.hostname, self.checkpoint, self.client, timeout=3))
                     for box in self.boxes]
-            for name, check in targets:
-                why = check()
-                self.sent[name] = self.sent.get(name, 0) + 1
-                if why:
-                    self.failed[name] = self.failed.get(name, 0) + 1
-                    if len(self.errors) < 20:
-                        self.errors.append(f"{name} at {time.time():.2f}: {why}")
-                ok.append(why is None)
-            self.rounds += 1
+            with self._lane:
+                for name, check in targets:
+                    why = check()
+                    self.sent[name] = self.sent.get(name, 0) + 1
+                    if why:
+                        self.failed[name] = self.failed.get(name, 0) + 1
+                        if len(self.errors) < 20:
+                            self.errors.append(f"{name} at {time.time():.2f}: {why}")
+                    ok.append(why is None)
+                self.rounds += 1
             self.all_failed_rounds += not any(ok)
             self._stop.wait(self.interval)
 
