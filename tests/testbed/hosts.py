@@ -261,6 +261,7 @@ def down(times: dict[str, float] | None = None) -> None:
         _step(errors, "network", network.teardown)
         for name in containers.all_host_dirs():
             _step(errors, f"remove {name}", containers.remove_root, name)
+        containers.prune_uv_cache()  # no host uses it now
         for f in (STATE, KNOWN_HOSTS, SSH_KEY, SSH_KEY.with_suffix(".pub")):
             f.unlink(missing_ok=True)
     if errors:
