@@ -11,9 +11,12 @@ donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
   (b) stock:  the same deploy with the speed-ups off (bench/stock_inventory.py: every fact read
               is its own remote command, pyinfra's stock SSH sockets, no TCP_NODELAY or
               TCP_QUICKACK);
-  (c) before: the deploy at --baseline (a git ref, default 1cf33d2: the commit before issue
-              13's operation refactor), as it was, in a git worktree of its own: the before and
-              after of a change, timed in one run on the same hosts;
+  (c) before: with --baseline REV, the deploy at that git ref as it was, in a git worktree of
+              its own: the before and after of a change, timed in one run on the same hosts.
+              The ref must read today's testbed donors file (its defaults.yml knows every key:
+              an older one stops with the inventory's one line) and converge the hosts the same
+              way (a timed run with changes stops the benchmark): e.g. 53d8533, main before
+              issue 24's structure work. No default: an old default ref stopped fitting the data;
   (d) floor:  pyinfra connecting to the hosts and reading one fact each, nothing else
               (bench/floor_deploy.py): what no deploy can go below on this machine;
 and prints min/median/max wall time, the ratios and remote commands per host (counted from
@@ -49,6 +52,7 @@ from pathlib import Path
 import yaml
 
 from bench.latency_relay import Relay
+from donorkit import __version__
 from donorkit.paths import REPO_ROOT
 from tests.testbed import hosts as bed
 
@@ -57,7 +61,6 @@ WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
 # main before issue 13 (operations as facts + args -> commands; op_overhead dropped).
 # 11824dab: the last commit before issue 6's batching (pyinfra's own operations).
-BASELINE = "1cf33d2"
 
 
 def donors_file(names: list[tuple[str, str]], path: Path,
@@ -218,11 +221,18 @@ def compile_tree(tree: Path) -> None:
 
 
 def baseline_worktree(rev: str) -> Path:
+    """A worktree of `rev`, as it was but for one line: it records our toolkit version. Each
+    deploy records its version on the box, so two versions alternating would each change that
+    record in every timed run (and the benchmark stops at a change)."""
     path = WORK / "baseline"
     subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT,
                    capture_output=True)
     subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=REPO_ROOT,
                    check=True, capture_output=True)
+    init = path / "donorkit/__init__.py"
+    if init.exists():
+        init.write_text(re.sub(r'__version__ = "[^"]*"', f'__version__ = "{__version__}"',
+                               init.read_text()))
     return path
 
 
@@ -231,8 +241,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--baseline", default=BASELINE,
-                        help="git ref of the deploy timed as 'before' ('' to skip (c))")
+    parser.add_argument("--baseline", default="",
+                        help="git ref of the deploy timed as 'before' (none: (c) is skipped)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of the modes to time (ours is always timed)")
     parser.add_argument("--networks", default="loopback,rtt50",
