@@ -59,8 +59,6 @@ from tests.testbed import hosts as bed
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
-# main before issue 13 (operations as facts + args -> commands; op_overhead dropped).
-# 11824dab: the last commit before issue 6's batching (pyinfra's own operations).
 
 
 def donors_file(names: list[tuple[str, str]], path: Path,
