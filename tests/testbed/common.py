@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from donorkit.acceptance import Record
 from donorkit.paths import REPO_ROOT
 
 # Everything the testbed makes lives here (git-ignored), so a `rm -rf .testbed` is a full reset.
@@ -122,3 +123,18 @@ def remove_tree(path: Path) -> None:
     if path.exists() or path.is_symlink():
         unmount_under(path)
         run(["rm", "-rf", "--one-file-system", path])
+
+
+def make_accept(limit: str, env: dict[str, str] | None = None,
+                timeout: float = 1200) -> tuple[Record, str]:
+    """`make accept LIMIT=limit` as an operator runs it, with `env` added: its record (named by
+    its `record: PATH` line) and its output, printed; a non-zero exit fails with the output."""
+    result = subprocess.run(["make", "-s", "accept", f"LIMIT={limit}"], cwd=REPO_ROOT,
+                            env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                            timeout=timeout)
+    output = result.stdout + result.stderr
+    print(output[-4000:])
+    assert result.returncode == 0, output[-6000:]
+    path = next(line.split("record: ", 1)[1] for line in result.stdout.splitlines()
+                if line.startswith("record: "))
+    return Record.model_validate_json(Path(path).read_text()), output

@@ -38,13 +38,13 @@ from pathlib import Path
 import pytest
 
 from donorkit import __version__
-from donorkit.acceptance import Record
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT
 from donorkit.render import pki_for
 from tests.testbed import cpu_engine, www
 from tests.testbed import hosts as bed
+from tests.testbed.common import make_accept
 from tests.testbed.hosts import Host, ssh
 
 BIN = Path(sys.executable).parent
@@ -165,15 +165,8 @@ def _line_of(output: str, test: str) -> str:
 
 def test_accept_record(box: Host, tmp_path: Path) -> None:
     started = time.monotonic()
-    result = subprocess.run(["make", "-s", "accept", f"LIMIT={NAME}"], cwd=REPO_ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=1200)
+    record, _ = make_accept(NAME, ENV)
     _timed("accept", started)
-    output = result.stdout + result.stderr
-    print(output[-4000:])
-    assert result.returncode == 0, output[-6000:]
-    path = next(line.split("record: ", 1)[1] for line in result.stdout.splitlines()
-                if line.startswith("record: "))
-    record = Record.model_validate_json(Path(path).read_text())
     res = record.results["tiny"]
     assert res.error is None
     assert record.policy.compare_figures is False and record.policy.tool_calls_required is False

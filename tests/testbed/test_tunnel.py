@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit.acceptance import Record
 from donorkit.fleet import load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import OPERATOR_CLIENT
 from donorkit.transport import wait_until
 from tests.testbed import hosts as bed
+from tests.testbed.common import make_accept
 from tests.testbed.hosts import Host, on_console, ssh
 
 BIN = Path(sys.executable).parent
@@ -305,16 +305,8 @@ def test_accept_measures_it_on_its_caddy_through_the_edges_ssh(hosts: dict[str, 
     fleet, edges = inventory()
     tunnel, edge_tunnel = fleet[HOME].tunnel_address, edges[EDGE].tunnel_address
     started = time.monotonic()
-    result = subprocess.run(["make", "-s", "accept", f"LIMIT={HOME}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, DONORS_FILE=str(DONORS)))
+    record, _ = make_accept(HOME, {"DONORS_FILE": str(DONORS)}, timeout=600)
     TIMES["make accept through the edge's SSH"] = time.monotonic() - started
-    output = result.stdout + result.stderr
-    print(output[-3000:])
-    assert result.returncode == 0, output[-4000:]
-    path = next(line.split("record: ", 1)[1] for line in result.stdout.splitlines()
-                if line.startswith("record: "))
-    record = Record.model_validate_json(Path(path).read_text())
     assert (record.donor, record.via) == (HOME, f"https://{tunnel}:443")
     assert record.route.startswith(
         f"to the donor's Caddy at {tunnel}:443 through edge {EDGE}'s SSH forward, with client "
