@@ -47,6 +47,7 @@ test: lint
 	$(BIN)/pytest -q tests/unit pyinfra_declared/tests
 
 testbed: venv-test
+	$(BIN)/python -m tests.unit.host_tools --install
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed
 
 verify: venv

