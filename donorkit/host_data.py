@@ -220,6 +220,9 @@ class DonorBox(_Login, Settings):
     # How it is reached (donorkit/tunnel.py): `direct` at ssh_host; `tunnel`, a home box behind
     # NAT, at its tunnel address (ssh_hostname) through an edge: the rest is tunnel.plan's.
     reach: Literal["direct", "tunnel"] = "direct"
+    # Who is root on it (schema.Donor.owner, resolved): a volunteer's box gets no operator secret
+    # and builds no cache another box uses.
+    owner: Literal["operator", "volunteer"] = "operator"
     tunnel_settings: TunnelSettings     # defaults.yml `tunnel`, merged
     tunnel_address: str | None = None   # a tunnelled donor's (its entry's, or derived)
     tunnel_public_key: str | None = None  # pasted by the operator; None: not joined

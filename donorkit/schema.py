@@ -270,6 +270,10 @@ class Donor(Strict):
     reach: Literal["direct", "tunnel"] = "direct"
     tunnel_address: TunnelAddress | None = None   # None: derived from the name, in the pool
     tunnel_public_key: WgKey | None = None  # what `make join` printed on the box; None: not joined
+    # Who controls the box (root on it): `operator` boxes may get the operator's secrets and build
+    # the caches other boxes use; a `volunteer`'s box gets neither. None: operator for
+    # reach: direct, volunteer for reach: tunnel (a home box is its owner's).
+    owner: Literal["operator", "volunteer"] | None = None
 
 
 class Edge(Strict):
