@@ -3,9 +3,9 @@
 testbed's edge failover smoke run starts /usr/bin/caddy), systemd-analyze, and as root nft (the
 tunnel's firewall tables are checked with `nft -c`, which needs root for netlink).
 
-Each of `make test` and `make testbed` does its own set-up, as the README promises for a fresh machine: this step (not the
-tests, which install nothing) apt-installs what is missing when it runs as root, saying so;
-otherwise it stops `make test` with the command that installs it.
+Each of `make test` and `make testbed` does its own set-up, as the README promises for a fresh
+machine: this step (not the tests, which install nothing) apt-installs what is missing when it
+runs as root, saying so; otherwise it stops the make with the command that installs it.
 
 Usage: python -m tests.unit.host_tools [--install]   (from the repo root)
 """
