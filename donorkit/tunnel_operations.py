@@ -80,12 +80,12 @@ def tunnel_is_ours(conf: str, interface: str, found: dict):
     deploy and `make join` only ever add their own tunnel, never replace what the box has."""
     if found.get("conf") == "theirs":
         fail(f"{conf} exists and is not the uncloseai deploy's (it does not start with "
-             f"'{CONF_MARKER}'): left as it is; the tunnel needs an interface name of its own "
-             "(tunnel.interface)")
+             f"'{CONF_MARKER}'): left as it is; the tunnel needs a name of its own (the operator's "
+             "tunnel.interface)")
     if found.get("interface") == "yes" and found.get("conf") != "ours":
         fail(f"a network interface named {interface} exists on this box and is not the "
-             "uncloseai tunnel's: left as it is; the tunnel needs an interface name of its own "
-             "(tunnel.interface)")
+             "uncloseai tunnel's: left as it is; the tunnel needs a name of its own (the "
+             "operator's tunnel.interface)")
     host.noop(f"{interface} is the tunnel's own" if found.get("conf") == "ours"
               else f"no {interface} on the box yet")
 
