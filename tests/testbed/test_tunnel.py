@@ -4,14 +4,15 @@ machine and tb-edge included, has a route to it). The operator deploys tb-edge (
 prints its new tunnel key, pasted into the donors file), writes tb-home's join file (signed with
 the CA key; it prints the CA's fingerprint); the owner runs `make join ... FINGERPRINT=...` at
 tb-home's console (pyinfra's @local connector: the tunnel only; a wrong fingerprint, a tampered
-file and an own config under the tunnel's name refused first) and sends the printed keys; the operator pastes them, deploys the edge (the peer is added), then deploys
-tb-home through the edge (SSH -W over the tunnel) with the same entry point as any donor. Then:
-it serves through the edge (a request loop with 0 failures), a second run changes nothing,
-`make accept` measures it on its own Caddy through the edge's SSH, `make verify` passes its
-tunnel checks, the firewall lets only the edge's tunnel address in, the
-tunnel is cut on the edge's side and tb-home is back in the pool by itself (the time it took),
-and tb-never (in the donors file, never joined) gets no traffic. Everything real: wireguard-go
-(this kernel has no WireGuard module), wg-quick under systemd, nftables, sshd, Caddy.
+file and an own config under the tunnel's name refused first) and sends the printed keys; the
+operator pastes them, deploys the edge (the peer is added), then deploys tb-home through the
+edge (SSH -W over the tunnel) with the same entry point as any donor. Then: it serves through
+the edge (a request loop with 0 failures), a second run changes nothing, `make accept` measures
+it on its own Caddy through the edge's SSH, `make verify` passes its tunnel checks, the firewall
+lets only the edge's tunnel address in, the tunnel is cut on the edge's side and tb-home is back
+in the pool by itself (the time it took), and tb-never (in the donors file, never joined) gets
+no traffic. Everything real: wireguard-go (this kernel has no WireGuard module), wg-quick under
+systemd, nftables, sshd, Caddy.
 """
 
 from __future__ import annotations
