@@ -225,16 +225,24 @@ def _bounded_yaml(path: Path) -> Any:
         raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
 
 
+# Private by Python's reckoning, but never a tunnel's: routed into the tunnel, they would take
+# the box's own loopback or the cloud metadata address (the inventory's pool rule may say it too).
+_NOT_A_POOL = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16")
+
+
 def addresses_problem(tunnel: JoinTunnel) -> tuple[str, str] | None:
     """(field, problem) where the tunnel's addresses leave the pool or repeat, or None: nothing
     outside the tunnel pool is ever routed into the tunnel or let in through it."""
+    pool = ipaddress.IPv4Network(tunnel.pool)
+    if any(pool.overlaps(ipaddress.IPv4Network(special)) for special in _NOT_A_POOL):
+        return "tunnel.pool", (f"{tunnel.pool} overlaps {', '.join(_NOT_A_POOL)} (this host, "
+                               "loopback, link-local): not a tunnel's")
     problem = check_address(tunnel.pool, tunnel.address)
     if problem:
         return "tunnel.address", problem
     seen = {tunnel.address: "the box's own tunnel address"}
     names: set[str] = set()
     keys: set[str] = set()
-    pool = ipaddress.IPv4Network(tunnel.pool)
     for index, peer in enumerate(tunnel.peers):
         where = f"tunnel.peers.{index}"
         problem = check_address(tunnel.pool, peer.address)

@@ -257,7 +257,7 @@ def refused_joins(home: Host, fingerprint: str) -> None:
             (JOIN.name, "0" * 64, "not the operator's", ""),
             ("tampered.yml", fingerprint, "it was changed after the operator signed it", ""),
             (JOIN.name, fingerprint, "exists and is not the uncloseai deploy's",
-             f"mkdir -p /etc/wireguard && printf %s {shlex.quote(owners)} > {conf} && ")):
+             f"mkdir -p -m 700 /etc/wireguard && printf %s {shlex.quote(owners)} > {conf} && ")):
         result = on_console(home, f"{setup}cd {CHECKOUT} && make -s join JOIN={join} "
                             f"FINGERPRINT={given}", check=False, timeout=600)
         assert result.returncode != 0, result.stdout[-2000:]
@@ -267,7 +267,7 @@ def refused_joins(home: Host, fingerprint: str) -> None:
         assert left.returncode != 0 and not left.stdout.strip(), left.stdout
         if setup:
             assert on_console(home, f"cat {conf}").stdout == owners
-            on_console(home, f"rm {conf}")
+            on_console(home, f"rm {conf} && rmdir /etc/wireguard 2>/dev/null || true")
     assert on_console(home, "dpkg -s wireguard-tools", check=False).returncode == installed
 
 

@@ -95,6 +95,14 @@ BAD = [
      "field 'tunnel.peers.1.address': 1.1.1.1 is not inside the tunnel pool"),
     ("a public pool", lambda d: d["tunnel"].update(pool="1.1.1.0/24"),
      "field 'tunnel.pool': '1.1.1.0/24': the tunnel pool must be a private"),
+    ("a loopback pool",
+     lambda d: d["tunnel"].update(pool="127.0.0.0/8", address="127.0.0.2") or
+     d["tunnel"]["peers"][0].update(address="127.0.0.1"),
+     "field 'tunnel.pool'"),  # the inventory's pool rule may say it first
+    ("a link-local pool (the metadata address)",
+     lambda d: d["tunnel"].update(pool="169.254.169.0/24", address="169.254.169.2") or
+     d["tunnel"]["peers"][0].update(address="169.254.169.254"),
+     "field 'tunnel.pool'"),
     ("the box's own address as a peer's",
      lambda d: d["tunnel"]["peers"][0].update(address=d["tunnel"]["address"]),
      "field 'tunnel.peers.0.address'"),
