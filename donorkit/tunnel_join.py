@@ -223,6 +223,10 @@ def _bounded_yaml(path: Path) -> Any:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
+    except (ValueError, OverflowError, TypeError) as exc:  # a scalar or key PyYAML cannot build
+        raise FleetError(f"{path}: malformed YAML: a value cannot be read: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                         ) from None
 
 
 # Private by Python's reckoning, but never a tunnel's: routed into the tunnel, they would take

@@ -184,6 +184,8 @@ def test_the_signature_tells_the_operators_file(joined, tmp_path) -> None:
     ("too large", "donor: x\n#" + "x" * 20000 + "\n", "larger than 16384 bytes"),
     ("duplicate keys", "donor: x\ndonor: y\n", "duplicate key 'donor'"),
     ("not YAML", "donor: [x\n", "malformed YAML"),
+    ("a 13th month", "donor: 2026-13-01\n", "malformed YAML: a value cannot be read"),
+    ("a list as a key", "? [a]\n: x\n", "malformed YAML"),
     ("not a mapping", "- x\n", "must be a mapping (donor, tunnel, signature), got list"),
     ("not text", "\udcff", "not UTF-8 text"),
 ])
