@@ -23,6 +23,7 @@ from donorkit.paths import REPO_ROOT
 from donorkit.pki import Pki, ca_fingerprint
 from donorkit.tunnel_operations import CONF_MARKER, TunnelOwnership, tunnel_is_ours
 from pyinfra_declared.json_cases import plan, refusal_message
+from tests.unit.make import make
 from tests.unit.test_tunnel import donors_file
 
 
@@ -210,9 +211,8 @@ def test_make_join_file_signs_and_make_join_checks_it(tmp_path: Path) -> None:
     donors = donors_file(tmp_path)
     out = tmp_path / "join-tb-home.yml"
     env = dict(os.environ, DONORS_FILE=str(donors))
-    wrote = subprocess.run([sys.executable, "-m", "donorkit.tunnel_join", "join-file", "tb-home",
-                            str(out)], capture_output=True, text=True, timeout=120, env=env,
-                           cwd=REPO_ROOT)
+    wrote = subprocess.run(make("join-file", "HOST=tb-home", f"OUT={out}"), capture_output=True,
+                           text=True, timeout=120, env=env, cwd=REPO_ROOT)
     assert wrote.returncode == 0, wrote.stdout + wrote.stderr
     fingerprint = ca_fingerprint(Pki(tmp_path / "pki").ca_pem())
     assert f"FINGERPRINT={fingerprint}" in wrote.stdout
@@ -221,8 +221,8 @@ def test_make_join_file_signs_and_make_join_checks_it(tmp_path: Path) -> None:
                              timeout=60, cwd=REPO_ROOT)
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("join: donor tb-home, signed by the operator's CA")
-    usage = subprocess.run(["make", "-s", "join", f"JOIN={out}"], capture_output=True,
-                           text=True, timeout=120, cwd=REPO_ROOT)
+    usage = subprocess.run(make("join", f"JOIN={out}"), capture_output=True, text=True,
+                           timeout=120, cwd=REPO_ROOT)
     assert usage.returncode == 2 and "FINGERPRINT=" in usage.stderr, usage.stderr
 
 
