@@ -73,14 +73,17 @@ lock: venv
 	$(BIN)/python -m donorkit.lock $(if $(BRANCH),--branch "$(BRANCH)") $(if $(ALL),--all)
 
 # A home donor behind NAT (README "A home donor behind NAT"):
-#   make join-file HOST=name OUT=file  on the operator's machine: the donor's join file
-#   make join JOIN=file                on the box, as root: the tunnel up (pyinfra @local), then
-#                                      the box's public keys for the operator
+#   make join-file HOST=name OUT=file  on the operator's machine: the donor's join file, signed
+#                                      with the CA key; prints the CA's fingerprint
+#   make join JOIN=file FINGERPRINT=fp on the box, as root: the file checked (signed by the CA of
+#                                      that fingerprint) and what it does said, the tunnel up
+#                                      (pyinfra @local), then the box's public keys for the operator
 join-file: venv
 	@test -n "$(HOST)" -a -n "$(OUT)" || { echo "usage: make join-file HOST=<donor> OUT=<file>" >&2; exit 2; }
 	$(BIN)/python -m donorkit.tunnel_join join-file "$(HOST)" "$(OUT)"
 
 join: venv
-	@test -n "$(JOIN)" || { echo "usage: make join JOIN=<join file>" >&2; exit 2; }
-	JOIN_FILE="$(JOIN)" $(BIN)/pyinfra -y inventory/join.py deploy.py
-	$(BIN)/python -m donorkit.tunnel_join box-keys "$(JOIN)"
+	@test -n "$(JOIN)" -a -n "$(FINGERPRINT)" || { echo "usage: make join JOIN=<join file> FINGERPRINT=<the operator's CA fingerprint>" >&2; exit 2; }
+	$(BIN)/python -m donorkit.tunnel_join check "$(JOIN)" --fingerprint "$(FINGERPRINT)"
+	JOIN_FILE="$(JOIN)" JOIN_FINGERPRINT="$(FINGERPRINT)" $(BIN)/pyinfra -y inventory/join.py deploy.py
+	$(BIN)/python -m donorkit.tunnel_join box-keys "$(JOIN)" --fingerprint "$(FINGERPRINT)"

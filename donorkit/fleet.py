@@ -106,9 +106,21 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
     # which is also its identity among the boxes.
     tunnel_host = None if donor.reach != "tunnel" else (
         donor.tunnel_address or tunnel.derived_address(settings.tunnel.pool, name))
+    # A volunteer's box (its owner is root on it) gets no operator secret: no Hugging Face
+    # token, so no gated checkpoint either (README "A home donor behind NAT").
+    owner = donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator")
+    if owner == "volunteer":
+        gated = next((h for h, m in sorted(donor.routes.items()) if settings.models[m].gated), None)
+        if gated:
+            model = donor.routes[gated]
+            raise FleetError(f"{where}: field 'routes.{gated}': model '{model}' is gated "
+                             f"(models.{model}.gated) and this box is a volunteer's (owner: "
+                             "volunteer): it gets no Hugging Face token; route an ungated "
+                             "model here, or set owner: operator if the operator controls it")
     return DonorBox.model_construct(
         **{field: getattr(settings, field) for field in schema.Settings.model_fields
-           if field not in ("vllm_executable", "unit_service")},
+           if field not in ("vllm_executable", "unit_service", "hf_token_file")},
+        hf_token_file=None if owner == "volunteer" else settings.hf_token_file,
         **_ssh_data(donor, tunnel_host),
         donor_name=name,
         card=card,
@@ -134,7 +146,7 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         **install,
         trusted_clients=trusted_clients,
         reach=donor.reach,
-        owner=donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator"),
+        owner=owner,
         tunnel_settings=settings.tunnel,
         tunnel_address=donor.tunnel_address,
         tunnel_public_key=donor.tunnel_public_key,

@@ -67,6 +67,7 @@ class ServedModel(Strict):
     args: list[str]                     # vllm serve flags, as words
     environment: dict[str, str]
     revision: str | None                # the checkpoint's commit; None: not pinned (yet)
+    gated: bool = False                 # fetched with the operator's token (operator boxes only)
 
     @property
     def pinned(self) -> bool:

@@ -70,6 +70,12 @@ def _create_exclusive(path: Path, data: bytes, mode: int) -> None:
         handle.write(data)
 
 
+def ca_fingerprint(pem: str) -> str:
+    """A CA certificate's SHA-256 fingerprint (of its DER bytes: what `openssl x509 -noout
+    -fingerprint -sha256 -in ca.crt` prints), as 64 lowercase hex digits."""
+    return x509.load_pem_x509_certificate(pem.encode()).fingerprint(hashes.SHA256()).hex()
+
+
 class PkiError(Exception):
     """The CA on this machine is not usable as it is; the message says what to do."""
 
@@ -138,6 +144,18 @@ class Pki:
     def ca_pem(self) -> str:
         self._ensure_ca()
         return self.ca_cert_path.read_text()
+
+    def sign(self, data: bytes) -> tuple[bytes, bytes]:
+        """(the donor CA's certificate, DER, and an ECDSA-SHA256 signature of `data` by its
+        key): how a
+        join file shows it is the operator's (donorkit/tunnel_join.py). The CA key signs
+        certificates too, whose signed part is DER (it starts with byte 0x30): `data` must not,
+        so no signature made here can pass for a certificate's (callers prefix their text)."""
+        if data[:1] == b"\x30":
+            raise ValueError("refusing to sign DER-like data with the CA key")
+        cert, key = self._ensure_ca()
+        return (cert.public_bytes(serialization.Encoding.DER),
+                key.sign(data, ec.ECDSA(hashes.SHA256())))
 
     def client_cert(self, edge: str, renew: bool = True) -> tuple[str, str]:
         """(cert PEM, key PEM) of `edge`'s client certificate from the client CA, issued anew

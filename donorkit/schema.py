@@ -103,6 +103,7 @@ class Model(Strict):
     args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
     environment: Annotated[dict[UnitEnvName, Text], AfterValidator(_retention_multiple)]
     revision: Commit | None = None          # the checkpoint's commit; None: not pinned yet
+    gated: bool = False                     # needs hf_token_file: never on a volunteer's box
 
 
 class PluginPath(Strict):

@@ -46,6 +46,50 @@ class NftTable(FactBase):
         return False
 
 
+# The first line of every tunnel config the deploy writes (templates/wireguard.conf.j2): a config
+# that does not start with it is someone else's.
+CONF_MARKER = "# Managed by the uncloseai deploy"
+
+
+class TunnelOwnership(FactBase):
+    """Whose the tunnel's config file and interface are: `conf` is absent, ours (it starts with
+    CONF_MARKER) or theirs (any other file, a link, a directory); `interface` whether a network
+    interface of that name exists. Reads the file's first bytes only: an owner's WireGuard
+    config holds their private key, which never leaves their box."""
+
+    def command(self, conf: str, interface: str) -> str:
+        c, marker = q(conf), q(CONF_MARKER)
+        return (f"if [ ! -e {c} ] && [ ! -L {c} ]; then echo conf=absent; "
+                f"elif [ -f {c} ] && [ ! -L {c} ] && "
+                f"[ \"$(head -c {len(CONF_MARKER)} {c})\" = {marker} ]; then echo conf=ours; "
+                "else echo conf=theirs; fi; "
+                f"if [ -e /sys/class/net/{q(interface)} ]; then echo interface=yes; "
+                "else echo interface=no; fi")
+
+    def process(self, output: list[str]) -> dict[str, str]:
+        return dict(line.split("=", 1) for line in output if "=" in line)
+
+    def default(self) -> dict[str, str]:
+        return {}
+
+
+@operation(found=lambda op: need(TunnelOwnership, conf=op.conf, interface=op.interface))
+def tunnel_is_ours(conf: str, interface: str, found: dict):
+    """Refuse the box when the tunnel's config file is someone else's, or when a network
+    interface of its name exists without our config (the owner's wg0, `lo`, `eth0`): the
+    deploy and `make join` only ever add their own tunnel, never replace what the box has."""
+    if found.get("conf") == "theirs":
+        fail(f"{conf} exists and is not the uncloseai deploy's (it does not start with "
+             f"'{CONF_MARKER}'): left as it is; the tunnel needs a name of its own (the operator's "
+             "tunnel.interface)")
+    if found.get("interface") == "yes" and found.get("conf") != "ours":
+        fail(f"a network interface named {interface} exists on this box and is not the "
+             "uncloseai tunnel's: left as it is; the tunnel needs a name of its own (the "
+             "operator's tunnel.interface)")
+    host.noop(f"{interface} is the tunnel's own" if found.get("conf") == "ours"
+              else f"no {interface} on the box yet")
+
+
 @operation(kernel=lambda op: need(KernelWireguard),
            installed=lambda op: need(DebStatus, packages=[op.package]))
 def userspace_wireguard(package: str, kernel: bool, installed: set[str], lock_wait: int = 600):

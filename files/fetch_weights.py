@@ -280,6 +280,10 @@ def fetch(args) -> None:
         message = str(e).splitlines()[0] if str(e) else ""
         if token:
             message = message.replace(token, "***")
+        elif type(e).__name__ == "GatedRepoError":
+            message += (" (fetched without a token: the model needs `gated: true` and "
+                        "hf_token_file, on an operator-owned box only; a volunteer's box gets "
+                        "no token)")
         raise Refused(f"{where}: {type(e).__name__}: {message}") from None
     except Exception as e:  # the client's transport errors (httpx) have no common public base
         message = (str(e).splitlines() or [""])[0]

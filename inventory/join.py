@@ -1,8 +1,10 @@
 """A home donor joining the tunnel, on the box itself (pyinfra's @local connector): the join file
-$JOIN_FILE (written by the operator's `make join-file`), validated before anything runs; deploy.py
-applies the tunnel only (tasks/tunnel.py). Run by `make join JOIN=<file>` as root on the box.
+$JOIN_FILE (written and signed by the operator's `make join-file`), checked whole and against
+the operator's CA fingerprint $JOIN_FINGERPRINT before anything runs (donorkit/tunnel_join.py);
+deploy.py applies the tunnel only (tasks/tunnel.py). Run by `make join JOIN=<file>
+FINGERPRINT=<fp>` as root on the box.
 
-Usage: JOIN_FILE=join-<donor>.yml pyinfra -y inventory/join.py deploy.py
+Usage: JOIN_FILE=join-<donor>.yml JOIN_FINGERPRINT=<fp> pyinfra -y inventory/join.py deploy.py
 """
 
 import os
@@ -11,27 +13,21 @@ from pathlib import Path
 
 from donorkit import schema
 from donorkit.fleet import DEFAULTS_FILE, FleetError, read_yaml
-from donorkit.host_data import DonorTunnel, TunnelPeer
 from donorkit.inventory_files import validate
-from donorkit.tunnel_join import read_join_file
+from donorkit.tunnel_join import donor_tunnel, read_join_file
 
 try:
-    _join = read_join_file(Path(os.environ.get("JOIN_FILE") or "JOIN_FILE is not set"))
+    _join = read_join_file(Path(os.environ.get("JOIN_FILE") or "JOIN_FILE is not set"),
+                           os.environ.get("JOIN_FINGERPRINT", ""))
     _defaults = validate(schema.Defaults, read_yaml(DEFAULTS_FILE), str(DEFAULTS_FILE))
 except FleetError as exc:
     print(f"join error: {exc}", file=sys.stderr)
     raise SystemExit(2) from None
 
-# The join file's tunnel as the typed data tasks/tunnel.py reads (validated by read_join_file);
-# its public key is what this run prints, not known yet.
-_tunnel = DonorTunnel.model_construct(
-    **{**_join["tunnel"], "peers": [TunnelPeer.model_construct(**peer)
-                                    for peer in _join["tunnel"]["peers"]]},
-    public_key=None)
-
 tunnel_join = [("@local", {
-    "donor_name": _join["donor"],
-    "tunnel": _tunnel,
+    "donor_name": _join.donor,
+    # The join file's tunnel, with this checkout's packages (never the file's).
+    "tunnel": donor_tunnel(_join, _defaults.tunnel),
     "tunnel_joining": True,
     "install_root": _defaults.install_root,
     "apt_lock_wait": _defaults.apt_lock_wait,

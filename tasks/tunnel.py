@@ -1,9 +1,11 @@
 """WireGuard tunnel (donorkit/tunnel.py): a home donor behind NAT dials the edges serving its
-hostnames, each edge the hub of its donors. On every box of a tunnel: the tools, wireguard-go
-where the kernel has no module, the box's own key pair (the private key never leaves it), its
-public key checked against the inventory's, the config (no private key in it) and the tunnel's
-firewall table, then wg-quick@<interface> running them. A changed config is applied with
-`wg syncconf` (tunnel_running): tunnels up stay up, the operator's SSH through them too."""
+hostnames, each edge the hub of its donors. On every box of a tunnel: first a check that the
+interface's config and name are not someone else's (never replaced), then the tools,
+wireguard-go where the kernel has no module, the box's own key pair (the private key never
+leaves it), its public key checked against the inventory's, the config (no private key in it)
+and the tunnel's firewall table, then wg-quick@<interface> running them. A changed config is
+applied with `wg syncconf` (tunnel_running): tunnels up stay up, the operator's SSH through
+them too."""
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -12,6 +14,7 @@ from donorkit import tunnel as tunnels
 from donorkit.render import UNIT_DIR, VERIFY_UNIT
 from donorkit.tunnel_operations import (
     firewall_loaded,
+    tunnel_is_ours,
     tunnel_key_is,
     tunnel_running,
     userspace_wireguard,
@@ -30,6 +33,10 @@ def apply() -> None:
     files = tunnels.paths(tunnel)
     state = f"{host.data.install_root}/state"
     conf_marker, nft_marker = f"{state}/tunnel.reload-pending", f"{state}/tunnel.nft-pending"
+    # Only ever our own tunnel: a config file or an interface of that name that is not ours (the
+    # owner's own wg0) stops the box here, before anything is installed or written.
+    tunnel_is_ours(name="Check the tunnel's interface is not someone else's", conf=files["conf"],
+                   interface=tunnel.interface)
     apt_install(name="Install WireGuard's tools and nftables", packages=tunnel.packages,
                 lock_wait=host.data.apt_lock_wait)
     userspace_wireguard(name="Install WireGuard in user space where the kernel has none",

@@ -2,9 +2,9 @@
 Hugging Face cache before any unit is (re)started (tasks/units.py comes next), so a first start,
 an upgrade or a model swap never downloads inside the unit's start (the new model's weights are
 here while the old model still serves). files/fetch_weights.py does it on the box, as the service
-user, with the venv's huggingface_hub (a gated model's token, root's, on its stdin); its progress
-shows in the run. A box whose model has no pinned revision stops here, with the line saying
-which."""
+user, with the venv's huggingface_hub (a gated model's token, root's, on its stdin: operator
+boxes only, a volunteer's box fetches without one); its progress shows in the run. A box whose
+model has no pinned revision stops here, with the line saying which."""
 
 from pathlib import PurePosixPath
 
@@ -36,8 +36,10 @@ def apply() -> None:
     absent_path(name="No Hugging Face token in the service user's home",
                 path=home_token_path(home))
     token_file = token_error = None
+    # A volunteer's box (owner: volunteer) has no hf_token_file in its host data
+    # (donorkit/fleet.py): a token an earlier deploy left there is removed too.
     if not host.data.hf_token_file:
-        absent_path(name="No Hugging Face token (none in the inventory)",
+        absent_path(name="No Hugging Face token (none in the inventory, or a volunteer's box)",
                     path=hf_token_path(root))
     else:
         token_file = hf_token_path(root)

@@ -1,16 +1,18 @@
 """A home donor behind NAT (issue 23), end to end on the testbed: tb-home sits in its own network
 behind a router namespace that masquerades it (outbound only: nothing on the test network, this
 machine and tb-edge included, has a route to it). The operator deploys tb-edge (its first deploy
-prints its new tunnel key, pasted into the donors file), writes tb-home's join file; the owner
-runs `make join` at tb-home's console (pyinfra's @local connector: the tunnel only) and sends the
-printed keys; the operator pastes them, deploys the edge (the peer is added), then deploys
-tb-home through the edge (SSH -W over the tunnel) with the same entry point as any donor. Then:
-it serves through the edge (a request loop with 0 failures), a second run changes nothing,
-`make accept` measures it on its own Caddy through the edge's SSH, `make verify` passes its
-tunnel checks, the firewall lets only the edge's tunnel address in, the
-tunnel is cut on the edge's side and tb-home is back in the pool by itself (the time it took),
-and tb-never (in the donors file, never joined) gets no traffic. Everything real: wireguard-go
-(this kernel has no WireGuard module), wg-quick under systemd, nftables, sshd, Caddy.
+prints its new tunnel key, pasted into the donors file), writes tb-home's join file (signed with
+the CA key; it prints the CA's fingerprint); the owner runs `make join ... FINGERPRINT=...` at
+tb-home's console (pyinfra's @local connector: the tunnel only; a wrong fingerprint, a tampered
+file and an own config under the tunnel's name refused first) and sends the printed keys; the
+operator pastes them, deploys the edge (the peer is added), then deploys tb-home through the
+edge (SSH -W over the tunnel) with the same entry point as any donor. Then: it serves through
+the edge (a request loop with 0 failures), a second run changes nothing, `make accept` measures
+it on its own Caddy through the edge's SSH, `make verify` passes its tunnel checks, the firewall
+lets only the edge's tunnel address in, the tunnel is cut on the edge's side and tb-home is back
+in the pool by itself (the time it took), and tb-never (in the donors file, never joined) gets
+no traffic. Everything real: wireguard-go (this kernel has no WireGuard module), wg-quick under
+systemd, nftables, sshd, Caddy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import yaml
 from donorkit.fleet import load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
-from donorkit.pki import OPERATOR_CLIENT
+from donorkit.pki import OPERATOR_CLIENT, ca_fingerprint
 from donorkit.transport import wait_until
 from tests.testbed import hosts as bed
 from tests.testbed.common import make_accept
@@ -170,15 +172,22 @@ def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None
 
 
 def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
-    """The operator writes the join file (nothing secret in it); the owner, at the box, with
-    this checkout, runs `make join JOIN=...`: the tunnel comes up from the box (pyinfra @local)
-    and the box's public keys are printed; the operator pastes them and deploys the edge; the
-    first handshake follows. The join time is measured from `make join` to that handshake."""
+    """The operator writes the join file (nothing secret in it, signed with the CA key) and
+    gets the CA's fingerprint; the owner, at the box, with this checkout, runs `make join
+    JOIN=... FINGERPRINT=...`: a wrong fingerprint, a tampered file and a WireGuard config of
+    the owner's own under the tunnel's name are refused, changing nothing; then the tunnel comes
+    up from the box (pyinfra @local) and the box's public keys are printed; the operator pastes
+    them and deploys the edge; the first handshake follows. The join time is measured from
+    `make join` to that handshake."""
     home = hosts[HOME]
     result = subprocess.run(["make", "-s", "join-file", f"HOST={HOME}", f"OUT={JOIN}"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, DONORS_FILE=str(DONORS)))
     assert result.returncode == 0, result.stdout + result.stderr
+    printed = re.search(r"FINGERPRINT=([0-9a-f]{64})", result.stdout)
+    assert printed, result.stdout
+    fingerprint = printed.group(1)
+    assert fingerprint == ca_fingerprint((PKI / "ca.crt").read_text())
     join = yaml.safe_load(JOIN.read_text())
     assert join["tunnel"]["peers"][0]["public_key"] == inventory()[1][EDGE].tunnel_public_key
     assert "PRIVATE" not in JOIN.read_text().upper()
@@ -199,9 +208,10 @@ def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
                           check=False, timeout=900)
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
     TIMES["owner's checkout venv"] = time.monotonic() - started
+    refused_joins(home, fingerprint)
     started = time.monotonic()
-    joined = on_console(home, f"cd {CHECKOUT} && make -s join JOIN={JOIN.name}", check=False,
-                        timeout=900)
+    joined = on_console(home, f"cd {CHECKOUT} && make -s join JOIN={JOIN.name} "
+                        f"FINGERPRINT={fingerprint}", check=False, timeout=900)
     join_run = time.monotonic() - started
     TIMES["make join on the box"] = join_run
     assert joined.returncode == 0, joined.stdout[-4000:] + joined.stderr[-3000:]
@@ -229,6 +239,36 @@ def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
                        "total_s": round(join_run + edge_run + handshake, 1)}
     print(f"\njoin: make join {join_run:.1f} s, the edge's deploy {edge_run:.1f} s, first "
           f"handshake {handshake:.1f} s after it")
+
+
+def refused_joins(home: Host, fingerprint: str) -> None:
+    """What `make join` refuses on the box, each in one line and with nothing changed there (no
+    key made, no interface, no package installed): a fingerprint not the operator's, a file
+    changed after signing, and (the file good) a WireGuard config of the owner's own under the
+    tunnel's name, which is left as it was."""
+    conf = f"/etc/wireguard/{IFACE}.conf"
+    tampered = yaml.safe_load(JOIN.read_text())
+    tampered["tunnel"]["peers"][0]["endpoint"] = "203.0.113.66:51820"
+    (bed.containers.host_dir(HOME) / "root" / CHECKOUT.lstrip("/") / "tampered.yml").write_text(
+        yaml.safe_dump(tampered))
+    owners = "[Interface]\nPrivateKey = b3duZXJzLW93bi1rZXktbm90LW91cnMtMDAwMDAwMDA=\n"
+    installed = on_console(home, "dpkg -s wireguard-tools", check=False).returncode
+    for join, given, expected, setup in (
+            (JOIN.name, "0" * 64, "not the operator's", ""),
+            ("tampered.yml", fingerprint, "it was changed after the operator signed it", ""),
+            (JOIN.name, fingerprint, "exists and is not the uncloseai deploy's",
+             f"mkdir -p -m 700 /etc/wireguard && printf %s {shlex.quote(owners)} > {conf} && ")):
+        result = on_console(home, f"{setup}cd {CHECKOUT} && make -s join JOIN={join} "
+                            f"FINGERPRINT={given}", check=False, timeout=600)
+        assert result.returncode != 0, result.stdout[-2000:]
+        assert expected in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr
+        left = on_console(home, f"ls /etc/wireguard/{IFACE}.key /sys/class/net/{IFACE}",
+                          check=False)
+        assert left.returncode != 0 and not left.stdout.strip(), left.stdout
+        if setup:
+            assert on_console(home, f"cat {conf}").stdout == owners
+            on_console(home, f"rm {conf} && rmdir /etc/wireguard 2>/dev/null || true")
+    assert on_console(home, "dpkg -s wireguard-tools", check=False).returncode == installed
 
 
 def test_the_operator_deploys_it_through_the_edge(hosts: dict[str, Host]) -> None:

@@ -163,6 +163,10 @@ def test_gated_model_needs_the_token_file_and_never_prints_it(hub, tmp_path):
     assert denied.returncode == 2
     [line] = denied.stderr.strip().splitlines()
     assert line.startswith(f"weights: {REPO}@{rev} from {url}: GatedRepoError"), line
+    # Fetched without a token (hf_token_file unset, or a volunteer's box, which gets none).
+    assert line.endswith("fetched without a token: the model needs `gated: true` and "
+                         "hf_token_file, on an operator-owned box only; a volunteer's box gets "
+                         "no token)"), line
 
     token = tmp_path / "token"
     token.write_text(secret + "\n")

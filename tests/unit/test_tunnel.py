@@ -1,7 +1,7 @@
 """Home donors behind NAT (donorkit/tunnel.py), host-free: the data (addresses from the pool,
 stable and unique, the one-line refusals), what each box gets (WireGuard config without a
 private key, the nftables table through the real `nft -c`, Caddy bound to the tunnel and
-loopback, the edge's upstream at the tunnel address), SSH through the edge, the join file, and
+loopback, the edge's upstream at the tunnel address), SSH through the edge, and
 the tunnel's operations (facts in, commands out)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import render, tunnel, tunnel_join
+from donorkit import render, tunnel
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 from donorkit.tunnel_operations import (
@@ -213,33 +213,7 @@ def test_a_direct_donor_may_not_carry_tunnel_fields(tmp_path: Path) -> None:
            "tunnel" in refused(tmp_path, change)
 
 
-def test_the_join_file(tmp_path: Path) -> None:
-    fleet, _ = load_inventory(donors_file(tmp_path))
-    out = tmp_path / "join.yml"
-    assert tunnel_join.write_join_file("tb-home", fleet, out) == ""
-    text = out.read_text()
-    assert "PRIVATE" not in text.upper() and KEY_A in text
-    joined = tunnel_join.read_join_file(out)
-    assert joined["tunnel"]["address"] == fleet["tb-home"].tunnel_address
-    assert joined["tunnel"]["peers"][0]["endpoint"] == "10.213.0.20:51820"
-    with pytest.raises(FileExistsError):  # never over an existing file
-        tunnel_join.write_join_file("tb-home", fleet, out)
-    # A tampered join file is one line naming the file and the field.
-    doc = yaml.safe_load(text)
-    doc["tunnel"]["peers"][0]["endpoint"] = "10.213.0.20:51820; rm -rf /"
-    out.write_text(yaml.safe_dump(doc))
-    with pytest.raises(FleetError, match=r"join.yml: field 'tunnel.peers.0.endpoint'"):
-        tunnel_join.read_join_file(out)
-
-
-def test_no_join_file_before_the_edge_has_its_key(tmp_path: Path) -> None:
-    fleet, _ = load_inventory(donors_file(
-        tmp_path, lambda d: d["edges"]["tb-edge"].pop("tunnel_public_key")))
-    problem = tunnel_join.write_join_file("tb-home", fleet, tmp_path / "join.yml")
-    assert "tb-edge have no tunnel_public_key yet" in problem
-    assert not (tmp_path / "join.yml").exists()
-    problem = tunnel_join.write_join_file("tb-x", fleet, tmp_path / "j")
-    assert "not a donor with reach: tunnel" in problem
+# The join file: tests/unit/test_join_file.py.
 
 
 # ------------------------------------------------------------------ operations ----------------
