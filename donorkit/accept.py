@@ -141,7 +141,8 @@ def _long_prompt(chars: int) -> str:
 def _carries_token(chunk: Any) -> bool:
     """Whether a streamed chunk carries a generated token: a choice whose delta is not the
     role chunk that opens vLLM's streams (role set, no text). vLLM sends one chunk per token,
-    also for a token whose text is still incomplete (an empty delta)."""
+    also for a token whose text is still incomplete (an empty delta); with `return_token_ids`
+    (asked for) also where a tool or reasoning parser holds the text back."""
     choices = getattr(chunk, "choices", None) or []
     if not isinstance(choices, list) or not choices:
         return False
@@ -170,7 +171,7 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={**NO_THINKING, "ignore_eos": True})
+        extra_body={**NO_THINKING, "ignore_eos": True, "return_token_ids": True})
     chunks, tail = 0, None  # what the stream carried, for the error when it had no usage
     async for chunk in stream:
         chunks, tail = chunks + 1, chunk

@@ -30,8 +30,9 @@ FIGURES: dict[str, Literal["higher", "lower"]] = {
 }
 
 # What a donor's `usage` may claim beyond what `make accept` received (donorkit/accept.py counts
-# one streamed chunk per token): a few tokens, or this fraction of them, whichever is more.
-USAGE_SLACK_TOKENS, USAGE_SLACK = 2, 0.02
+# one streamed chunk per token): a few tokens, or this fraction of them, whichever is more. The
+# figures are the received tokens' whatever the claim: the slack gains a donor nothing.
+USAGE_SLACK_TOKENS, USAGE_SLACK = 4, 0.05
 # Prompt tokens a chat template adds to the characters sent (a token is at least one
 # character of the ASCII text sent; Llama 3.1's and Qwen's templates add a few dozen tokens).
 TEMPLATE_TOKENS = 256
