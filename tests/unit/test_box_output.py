@@ -308,3 +308,32 @@ def test_accept_records_and_prints_a_hostile_version_escaped(tmp_path: Path) -> 
     record = core.new_record(_target("http://x", tmp_path, None), datetime.now(timezone.utc))
     record.results["qwen"] = res
     assert not unsafe(core.summary_table([record]))
+
+
+# --- copy-backs -------------------------------------------------------------------------------
+def test_a_copy_back_past_its_limit_is_refused_and_removed(tmp_path: Path, caplog) -> None:
+    """The kernel and wheel caches' copy-backs (wheel_cache.CappedDownload) through a real
+    pyinfra host (@local: pyinfra's local connector copies as the SSH one downloads, into the
+    same writer): a file within the limit is copied whole; one past it is refused with one
+    line, the partial copy removed, the host failed (False), no exception."""
+    from pyinfra.api import Config, Inventory, State
+
+    from donorkit import wheel_cache
+
+    inventory = Inventory((["@local"], {}))
+    state = State(inventory, Config())
+    host = inventory.get_host("@local")
+    host.connect()
+    small, big = tmp_path / "sidecar", tmp_path / "archive"
+    small.write_text("a" * 64 + "  kernels.tar\n")
+    big.write_bytes(b"k" * (3 << 20))
+    got = tmp_path / "got"
+    assert wheel_cache.CappedDownload(str(small), str(got), 4096).execute(state, host, {})
+    assert got.read_text() == small.read_text()
+    caplog.clear()
+    command = wheel_cache.CappedDownload(str(big), str(got), 1 << 20)
+    assert repr(command) == f"FileDownloadCommand({big}, {got}, at most 1048576 bytes)"
+    assert command.execute(state, host, {}) is False
+    assert not got.exists()
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.endswith(f"{big}: more than 1048576 bytes: not copied back"), line
