@@ -101,50 +101,6 @@ def wheel_name(version: str, abi: str, machine: str) -> str:
     return f"exllamav3-{version}-{abi}-{abi}-linux_{machine}.whl"
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sidecar_sha256(sidecar: Path, wheel: str) -> str:
-    """The digest a `sha256sum` sidecar records for `wheel`."""
-    fields = sidecar.read_text().split()
-    if len(fields) != 2 or fields[1].lstrip("*") != wheel or len(fields[0]) != 64:
-        raise WheelCacheError(f"{sidecar}: not a sha256sum line for {wheel}")
-    return fields[0]
-
-
-def has_entry(entry_dir: Path, wheel: str) -> bool:
-    """Whether the entry is complete (its sidecar, written last, exists), without reading it."""
-    return (entry_dir / wheel).is_file() and (entry_dir / f"{wheel}.sha256").is_file()
-
-
-def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
-    """(path, sha256) of a verified cached wheel; None when the entry is absent or incomplete
-    (no sidecar yet). A wheel that does not match its sidecar raises WheelCacheError."""
-    path, sidecar = entry_dir / wheel, entry_dir / f"{wheel}.sha256"
-    if not has_entry(entry_dir, wheel):
-        return None
-    want = sidecar_sha256(sidecar, wheel)
-    found = file_sha256(path)
-    if found != want:
-        raise WheelCacheError(
-            f"cached {path} is corrupt: sha256 {found}, its sidecar says {want}; "
-            "delete that directory and run again (the next box of this stack rebuilds it)")
-    return path, want
-
-
-def download_names(wheel: str, box: str) -> tuple[str, str]:
-    """This box's temporary names, in the entry's directory, for the wheel and its sidecar it
-    copies back: one pair per box (`box`: the inventory's host name, hashed into the name), so
-    boxes of one stack copying back in the same run never write or move each other's files."""
-    tag = hashlib.sha256(box.encode()).hexdigest()[:12]
-    return f".{wheel}.{tag}.download", f".{wheel}.{tag}.sha256.download"
-
-
 # The most a copy-back may be, in bytes: a sidecar (one sha256sum line), an exllamav3 wheel (tens
 # of MB for one arch), a stack's kernel archive (FlashInfer's kernels and the compile caches).
 SIDECAR_MAX_BYTES, WHEEL_DOWNLOAD_MAX_BYTES, KERNELS_DOWNLOAD_MAX_BYTES = 4096, 2 << 30, 16 << 30
@@ -200,6 +156,50 @@ class CappedDownload(FileDownloadCommand):
         except AnswerTooLarge as exc:
             dest.unlink(missing_ok=True)
             return _refuse(host, f"{exc}: not copied back")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sidecar_sha256(sidecar: Path, wheel: str) -> str:
+    """The digest a `sha256sum` sidecar records for `wheel`."""
+    fields = sidecar.read_text().split()
+    if len(fields) != 2 or fields[1].lstrip("*") != wheel or len(fields[0]) != 64:
+        raise WheelCacheError(f"{sidecar}: not a sha256sum line for {wheel}")
+    return fields[0]
+
+
+def has_entry(entry_dir: Path, wheel: str) -> bool:
+    """Whether the entry is complete (its sidecar, written last, exists), without reading it."""
+    return (entry_dir / wheel).is_file() and (entry_dir / f"{wheel}.sha256").is_file()
+
+
+def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
+    """(path, sha256) of a verified cached wheel; None when the entry is absent or incomplete
+    (no sidecar yet). A wheel that does not match its sidecar raises WheelCacheError."""
+    path, sidecar = entry_dir / wheel, entry_dir / f"{wheel}.sha256"
+    if not has_entry(entry_dir, wheel):
+        return None
+    want = sidecar_sha256(sidecar, wheel)
+    found = file_sha256(path)
+    if found != want:
+        raise WheelCacheError(
+            f"cached {path} is corrupt: sha256 {found}, its sidecar says {want}; "
+            "delete that directory and run again (the next box of this stack rebuilds it)")
+    return path, want
+
+
+def download_names(wheel: str, box: str) -> tuple[str, str]:
+    """This box's temporary names, in the entry's directory, for the wheel and its sidecar it
+    copies back: one pair per box (`box`: the inventory's host name, hashed into the name), so
+    boxes of one stack copying back in the same run never write or move each other's files."""
+    tag = hashlib.sha256(box.encode()).hexdigest()[:12]
+    return f".{wheel}.{tag}.download", f".{wheel}.{tag}.sha256.download"
 
 
 def commit_download(entry_dir: str, wheel: str, key: str, box: str) -> bool:
