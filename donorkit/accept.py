@@ -11,6 +11,14 @@ Per donor and model identity it serves (the first public hostname routed to it):
 - tool-call fidelity: the cases in TOOL_CASES through the OpenAI tools API, each checked for one
   well-formed call of the expected function with the expected arguments.
 
+Token counts are what this client received, not what the donor says (its `usage` is the box
+owner's word): one streamed chunk per generated token (vLLM sends one per token; the role chunk
+that opens a stream carries none), so the figures come from the chunks' arrival, and a donor
+claiming more completion tokens than it streamed (beyond a small slack), or more prompt tokens
+than the characters it was sent, fails the required check `usage`. Everything a donor sends is
+capped in bytes and in time per request (donorkit/transport.py), and every field of it recorded
+or printed is bounded and escaped (transport.shown).
+
 Each long prompt starts with a fresh random line, so vLLM's prefix cache cannot serve it. Prompt
 sizes are in tokens of the served model's tokenizer: a probe request measures its characters per
 token first (usage.prompt_tokens), so the same workload data fits any model.
@@ -71,12 +79,20 @@ from donorkit.acceptance import (
     new_record,
     summary_table,
     targets_from_fleet,
+    usage_problem,
 )
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.limit import LimitError, select
 from donorkit.paths import REPO_ROOT
 from donorkit.pki import PkiError
-from donorkit.transport import ForwardError, PinnedHTTPS, SshForward, client_context
+from donorkit.transport import (
+    ForwardError,
+    PinnedHTTPS,
+    SshForward,
+    capped_async_transport,
+    client_context,
+    shown,
+)
 
 
 def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
@@ -90,17 +106,13 @@ def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:
     if url.scheme == "https":
         verify = client_context(target.ca_file, target.client)
     sni = target.hostname if url.host != target.hostname else None
-
-    class PublicName(httpx2.AsyncHTTPTransport):
-        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-            if sni and url.scheme == "https":
-                request.extensions["sni_hostname"] = sni
-            return await super().handle_async_request(request)
-
     # keep-alive off, as on every hop of the seed's proxies (a pooled connection can be
-    # half-open); one fresh connection per request.
+    # half-open); one fresh connection per request. Each answer whole within the request
+    # timeout (a deadline, not a wait per read) and transport.ANSWER_LIMIT bytes.
     limits = httpx2.Limits(max_keepalive_connections=0)
-    http = httpx2.AsyncClient(transport=PublicName(verify=verify, limits=limits),
+    transport = capped_async_transport(target.workload.request_timeout_s, sni=sni,
+                                       verify=verify, limits=limits)
+    http = httpx2.AsyncClient(transport=transport,
                              headers={"Host": target.hostname},
                              timeout=target.workload.request_timeout_s)
     return AsyncOpenAI(base_url=f"{target.base_url}/v1", api_key="uncloseai-accept",
@@ -126,34 +138,59 @@ def _long_prompt(chars: int) -> str:
     return head + " ".join(words)[: max(chars - len(head), 1)]
 
 
+def _carries_token(chunk: Any) -> bool:
+    """Whether a streamed chunk carries a generated token: a choice whose delta is not the
+    role chunk that opens vLLM's streams (role set, no text). vLLM sends one chunk per token,
+    also for a token whose text is still incomplete (an empty delta); with `return_token_ids`
+    (asked for) also where a tool or reasoning parser holds the text back."""
+    choices = getattr(chunk, "choices", None) or []
+    if not isinstance(choices, list) or not choices:
+        return False
+    delta = getattr(choices[0], "delta", None)
+    if delta is None:
+        return False
+    return not (getattr(delta, "role", None) and not getattr(delta, "content", None))
+
+
+def _count(usage: Any, field: str) -> int:
+    """A token count of the donor's usage, refused unless a count."""
+    value = getattr(usage, field, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RuntimeError(f"usage.{field} is not a token count: {shown(repr(value), 80)}")
+    return value
+
+
 async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming chat request; times from the chunks' running usage (a vLLM extension:
-    decode counts tokens even when a chunk carries no printable text)."""
+    """One streaming chat request, timed and counted from the chunks received (one per token:
+    _carries_token); the donor's own usage (a vLLM extension, in every chunk) is recorded as
+    what it claims, for the `usage` check."""
     started = time.monotonic()
     first = last = None
-    first_count = usage = None
+    usage = None
+    received = 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={**NO_THINKING, "ignore_eos": True})
+        extra_body={**NO_THINKING, "ignore_eos": True, "return_token_ids": True})
     chunks, tail = 0, None  # what the stream carried, for the error when it had no usage
     async for chunk in stream:
         chunks, tail = chunks + 1, chunk
-        if chunk.usage is None:
-            continue
-        usage = chunk.usage
-        if usage.completion_tokens and first is None:
-            first, first_count = time.monotonic(), usage.completion_tokens
-        if usage.completion_tokens:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if _carries_token(chunk):
+            received += 1
             last = time.monotonic()
+            first = first or last
     if usage is None or first is None:
         carried = json.dumps(tail.model_dump(exclude_none=True))[:300] if tail else "nothing"
         raise RuntimeError(f"the stream carried no usage (is this vLLM?): {chunks} chunk(s), "
                            f"the last {carried}")
-    decoded = usage.completion_tokens - first_count
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    return {"prompt_tokens": _count(usage, "prompt_tokens"),
+            "completion_tokens": _count(usage, "completion_tokens"),
+            "received_tokens": received, "prompt_chars": len(prompt),
             "ttft_s": first - started, "wall_s": last - started,
-            "decode_tok_s": decoded / (last - first) if decoded > 0 and last > first else None}
+            "decode_tok_s": (received - 1) / (last - first) if received > 1 and last > first
+            else None}
 
 
 async def _chars_per_token(client, model: str) -> float:
@@ -164,7 +201,9 @@ async def _chars_per_token(client, model: str) -> float:
     full = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": text}], max_tokens=1,
         extra_body=NO_THINKING)
-    return len(text) / max(full.usage.prompt_tokens - short.usage.prompt_tokens, 1)
+    claimed = _count(full.usage, "prompt_tokens") - _count(short.usage, "prompt_tokens")
+    # A token is at least one character of this ASCII text, whatever the donor claims.
+    return max(len(text) / max(claimed, 1), 1.0)
 
 
 async def _tool_case(client, model: str, case: ToolCase, forced: bool) -> dict:
@@ -177,8 +216,9 @@ async def _tool_case(client, model: str, case: ToolCase, forced: bool) -> dict:
     message = reply.choices[0].message
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
     problem = check_tool_call(case, calls)
-    return {"case": case.name, "ok": problem is None, "problem": problem,
-            "calls": [{"name": n, "arguments": a} for n, a in calls]}
+    return {"case": case.name, "ok": problem is None,
+            "problem": None if problem is None else shown(problem),
+            "calls": [{"name": shown(n, 64), "arguments": shown(a, 500)} for n, a in calls[:4]]}
 
 
 async def measure(target: Target, progress: Callable[[str], None]) -> dict:
@@ -222,15 +262,19 @@ async def _measure_reached(target: Target, progress: Callable[[str], None]) -> d
         progress("models, version")
         listed = (await client.models.list()).data
         ids = [(m.id, getattr(m, "max_model_len", None)) for m in listed]
-        out["details"]["models"] = [{"id": i, "max_model_len": n} for i, n in ids]
+        out["details"]["models"] = [
+            {"id": shown(i, 120), "max_model_len": n if isinstance(n, int) else shown(n, 40)}
+            for i, n in ids[:8]]
         out["checks"]["models"] = {
             "ok": ids == [(target.checkpoint, target.max_model_len)], "required": True,
             "expected": {"id": target.checkpoint, "max_model_len": target.max_model_len}}
         reply = await http.get(f"{target.base_url}/version")
         reply.raise_for_status()
         version = reply.json()
-        out["details"]["version"] = version
-        out["checks"]["version"] = {"ok": bool(version.get("version")), "required": True}
+        version = version.get("version") if isinstance(version, dict) else None
+        out["details"]["version"] = {"version": None if version is None
+                                     else shown(version, 64)}
+        out["checks"]["version"] = {"ok": bool(version), "required": True}
         model = target.checkpoint
 
         progress(f"chat stream ({w.decode_max_tokens} tokens)")
@@ -257,7 +301,15 @@ async def _measure_reached(target: Target, progress: Callable[[str], None]) -> d
         out["details"]["concurrent"] = {
             "prompts": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs],
             "completion_tokens": [r["completion_tokens"] for r in runs],
+            "received_tokens": [r["received_tokens"] for r in runs],
             "median_ttft_s": statistics.median(r["ttft_s"] for r in runs)}
+        streams = {"the chat stream": chat, "the prefill stream": prefill,
+                   **{f"concurrent stream {i}": r for i, r in enumerate(runs, 1)}}
+        problem = usage_problem(streams)
+        out["checks"]["usage"] = {
+            "ok": problem is None, "required": True, "problem": problem,
+            "claimed_completion_tokens": sum(r["completion_tokens"] for r in streams.values()),
+            "received_tokens": sum(r["received_tokens"] for r in streams.values())}
 
         acc = target.card_acceptance
         if not target.tool_calls:
@@ -288,9 +340,9 @@ async def accept_target(target: Target, progress: Callable[[str], None]) -> dict
     try:
         res = await measure(target, progress)
     except Unreachable as exc:
-        return {"unreachable": str(exc)}
+        return {"unreachable": shown(str(exc), 500)}
     except Exception as exc:  # noqa: BLE001 - one donor's failure is recorded, the run goes on
-        return {"error": f"{type(exc).__name__}: {exc}".strip()[:500]}
+        return {"error": shown(f"{type(exc).__name__}: {exc}".strip(), 500)}
     res["figures_compared"] = acc.compare_figures
     res["comparison"] = compare(res["figures"], acc.baseline, target.tolerance) \
         if acc.compare_figures else {}

@@ -29,6 +29,14 @@ FIGURES: dict[str, Literal["higher", "lower"]] = {
     "ttft_s": "lower", "concurrent_wall_s": "lower",
 }
 
+# What a donor's `usage` may claim beyond what `make accept` received (donorkit/accept.py counts
+# one streamed chunk per token): a few tokens, or this fraction of them, whichever is more. The
+# figures are the received tokens' whatever the claim: the slack gains a donor nothing.
+USAGE_SLACK_TOKENS, USAGE_SLACK = 4, 0.05
+# Prompt tokens a chat template adds to the characters sent (a token is at least one
+# character of the ASCII text sent; Llama 3.1's and Qwen's templates add a few dozen tokens).
+TEMPLATE_TOKENS = 256
+
 # ------------------------------------------------------------------ tool-call cases -----------
 
 
@@ -88,6 +96,22 @@ def check_tool_call(case: ToolCase, calls: list[tuple[str, str]]) -> str | None:
             return f"argument {key!r} missing"
         if not _same(want, args[key]):
             return f"argument {key!r} = {args[key]!r}, expected {want!r}"
+    return None
+
+
+def usage_problem(streams: dict[str, dict]) -> str | None:
+    """None when every stream's claimed usage fits what was received (`completion_tokens` at
+    most `received_tokens` plus the slack; `prompt_tokens` at most the characters sent plus a
+    template's); else the first that does not, in one line."""
+    for name, s in streams.items():
+        allowed = s["received_tokens"] + max(USAGE_SLACK_TOKENS,
+                                             int(s["received_tokens"] * USAGE_SLACK))
+        if s["completion_tokens"] > allowed:
+            return (f"{name} claimed {s['completion_tokens']} completion tokens, "
+                    f"{s['received_tokens']} received (at most {allowed} accepted)")
+        if s["prompt_tokens"] > s["prompt_chars"] + TEMPLATE_TOKENS:
+            return (f"{name} claimed {s['prompt_tokens']} prompt tokens for "
+                    f"{s['prompt_chars']} characters sent")
     return None
 
 
@@ -305,7 +329,8 @@ def failures(record: Record) -> list[str]:
             continue
         for name, check in (res.checks or {}).items():
             if check.required and not check.ok:
-                out.append(f"{where}: check {name} failed")
+                why = (check.model_extra or {}).get("problem")
+                out.append(f"{where}: check {name} failed" + (f": {why}" if why else ""))
         for name, cmp in (res.comparison or {}).items():
             if not cmp.ok:
                 sign = ">=" if cmp.better == "higher" else "<="
@@ -339,7 +364,7 @@ def summary_table(records: list[Record]) -> str:
         for model, res in rec.results.items():
             f = res.figures or {}
             fidelity = (res.checks or {}).get("tool_call_fidelity")
-            version = (res.details or {}).get("version", {}).get("version", "-")
+            version = (res.details or {}).get("version", {}).get("version") or "-"
             one = rec.model_copy(update={"results": {model: res}})
             rows.append([rec.donor, model, rec.card, str(version),
                          fmt(f.get("ttft_s")), fmt(f.get("decode_tok_s")),

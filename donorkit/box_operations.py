@@ -10,7 +10,6 @@ from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import (
-    FileDownloadCommand,
     FileUploadCommand,
     FunctionCommand,
     QuoteString,
@@ -258,8 +257,10 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
     entry, wheel = str(stack.entry), stack.wheel
     tmp_wheel, tmp_sidecar = wheel_cache.download_names(wheel, host.name)
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
-    yield FileDownloadCommand(stack.remote_wheel, f"{entry}/{tmp_wheel}")
-    yield FileDownloadCommand(f"{stack.remote_wheel}.sha256", f"{entry}/{tmp_sidecar}")
+    yield wheel_cache.CappedDownload(stack.remote_wheel, f"{entry}/{tmp_wheel}",
+                                     wheel_cache.WHEEL_DOWNLOAD_MAX_BYTES)
+    yield wheel_cache.CappedDownload(f"{stack.remote_wheel}.sha256", f"{entry}/{tmp_sidecar}",
+                                     wheel_cache.SIDECAR_MAX_BYTES)
     yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key), {})
 
 

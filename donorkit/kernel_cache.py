@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from pyinfra import host
-from pyinfra.api import FactBase, FileDownloadCommand, FileUploadCommand, FunctionCommand
+from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand
 
 from donorkit import wheel_cache
 from donorkit.box_facts import CudaStack
@@ -227,7 +227,9 @@ def keep_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
            f"{' '.join(map(q, [*box['kernels'], *box['caches']]))} && "
            f"cd {q(remote_dir)} && sha256sum {ARCHIVE} > {ARCHIVE}.sha256")
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
-    yield FileDownloadCommand(remote, f"{entry}/{tmp_archive}")
-    yield FileDownloadCommand(f"{remote}.sha256", f"{entry}/{tmp_sidecar}")
+    yield wheel_cache.CappedDownload(remote, f"{entry}/{tmp_archive}",
+                                     wheel_cache.KERNELS_DOWNLOAD_MAX_BYTES)
+    yield wheel_cache.CappedDownload(f"{remote}.sha256", f"{entry}/{tmp_sidecar}",
+                                     wheel_cache.SIDECAR_MAX_BYTES)
     yield FunctionCommand(wheel_cache.commit_entry, (entry, ARCHIVE, stack.key), {})
     yield f"rm -rf {q(remote_dir)}"

@@ -4,13 +4,19 @@
 
 For each model profile a donor serves (`--all`: every profile of the data), asks the Hugging
 Face hub (the profile's `hf_endpoint`, with `hf_token_file` when set) which 40-hex commit the
-branch points to, with the real huggingface_hub client (`HfApi.model_info`), and writes it as
+branch points to (`GET /api/models/<repo>/revision/<branch>`, as huggingface_hub's
+`HfApi.model_info` asks it, with its headers and its reading of the hub's errors), and writes it as
 `revision:` into the file that defines that profile: `inventory/defaults.yml` (`models:`), or the
 donors file's `overrides:` or a donor's own `overrides:` where the checkpoint or the revision is
 set there. Prints `old -> new` for each. Nothing is written unless every lookup succeeded: a hub
 that cannot be reached, a repository or branch it does not know, is a refusal naming the
 profile and the cause (a guessed revision would be worse than none). The files keep their
 comments and layout: only the `revision:` line changes (or is added under the profile).
+
+Only what the configured hub says is pinned: a redirect is followed only to the hub's own origin
+(the hub redirects a renamed repository's API path on itself), one to anywhere else is refused;
+the answer is read within HUB_ANSWER_LIMIT bytes and `--timeout` seconds in all (a hub that
+trickles bytes is given up at the deadline), and the commit must be exactly 40 hex digits.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import yaml
 
@@ -35,10 +42,19 @@ from donorkit.fleet import (
 from donorkit.paths import REPO_ROOT, repo_path
 from donorkit.schema import deep_merge
 from donorkit.serving import COMMIT
+from donorkit.transport import capped_transport, shown, within
+
+# The most a hub's answer about one repository may be, in bytes (model info with its list of
+# files: a few KiB for a model's repository).
+HUB_ANSWER_LIMIT = 512 << 10
 
 
 class LockError(Exception):
     """One line to print: what could not be resolved or written, and why."""
+
+
+class OffHub(Exception):
+    """The hub redirected the lookup to another origin: not followed."""
 
 
 @dataclass
@@ -125,14 +141,12 @@ def _file_wide(doc: dict, defaults: dict) -> dict:
 
 def resolve(pins: list[Pin], branch: str, timeout: float = 20) -> list[str]:
     """Each pin's commit at `branch` (pin.new), from its hub; the problems, one line each."""
-    from huggingface_hub import HfApi
-
     problems, seen = [], {}
     for pin in pins:
         key = (pin.endpoint, pin.checkpoint, pin.token_file)
         if key not in seen:
             try:
-                seen[key] = _commit(HfApi(endpoint=pin.endpoint), pin, branch, timeout)
+                seen[key] = _commit(pin, branch, timeout)
             except LockError as exc:
                 seen[key] = exc
         result = seen[key]
@@ -143,7 +157,45 @@ def resolve(pins: list[Pin], branch: str, timeout: float = 20) -> list[str]:
     return problems
 
 
-def _commit(api, pin: Pin, branch: str, timeout: float) -> str:
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def model_info(endpoint: str, checkpoint: str, revision: str, token: str | None,
+               timeout: float) -> dict:
+    """The hub's answer about `checkpoint` at `revision`, as HfApi.model_info asks for it (its
+    path, huggingface_hub's headers and errors: RepositoryNotFoundError, RevisionNotFoundError,
+    ...), through a client that follows redirects on the hub's origin only (OffHub), reads at
+    most HUB_ANSWER_LIMIT bytes and gives up `timeout` seconds after it started."""
+    import httpx2
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    hub = _origin(endpoint)
+    url = (f"{endpoint.rstrip('/')}/api/models/{checkpoint}/revision/"
+           f"{quote(revision, safe='')}")
+
+    def on_the_hub(request: httpx2.Request) -> None:
+        if _origin(str(request.url)) != hub:
+            raise OffHub(f"the hub redirected to {shown(str(request.url), 120)}, not "
+                         f"{endpoint}: not followed")
+
+    def ask() -> dict:
+        with httpx2.Client(transport=capped_transport(timeout, HUB_ANSWER_LIMIT),
+                           follow_redirects=True, timeout=timeout,
+                           event_hooks={"request": [on_the_hub]}) as client:
+            response = client.get(url, headers=build_hf_headers(token=token))
+            hf_raise_for_status(response)
+            data = response.json()
+        if not isinstance(data, dict):
+            raise ValueError("the answer is not a JSON object")
+        return data
+
+    return within(timeout, url, ask)
+
+
+def _commit(pin: Pin, branch: str, timeout: float) -> str:
     token = None
     if pin.token_file:
         problem = token_file_problem(pin.token_file)
@@ -154,15 +206,15 @@ def _commit(api, pin: Pin, branch: str, timeout: float) -> str:
         except OSError as exc:
             raise LockError(f"hf_token_file {pin.token_file}: {exc.strerror}") from None
     try:
-        info = api.model_info(pin.checkpoint, revision=branch, timeout=timeout, token=token)
+        info = model_info(pin.endpoint, pin.checkpoint, branch, token, timeout)
     except Exception as exc:  # noqa: BLE001 - every way of not getting an answer: one line
-        cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        cause = shown(f"{type(exc).__name__}: {exc}".splitlines()[0], 300)
         raise LockError(f"{pin.checkpoint} @ {branch} from {pin.endpoint}: {cause}; nothing "
                         "written") from None
-    sha = getattr(info, "sha", None)
-    if not isinstance(sha, str) or not COMMIT.match(sha):
+    sha = info.get("sha")
+    if not isinstance(sha, str) or not COMMIT.fullmatch(sha):
         raise LockError(f"{pin.checkpoint} @ {branch} from {pin.endpoint}: the hub answered no "
-                        f"40-hex commit ({sha!r}); nothing written")
+                        f"40-hex commit ({shown(repr(sha), 80)}); nothing written")
     return sha
 
 
@@ -268,13 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
                                          "inventory/donors.yml)")
     parser.add_argument("--defaults", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="seconds for each lookup, its whole answer included (20)")
     args = parser.parse_args(argv)
     try:
         pins = plan(args.donors, args.defaults, args.all)
     except FleetError as exc:
         print(f"lock: inventory error: {exc}", file=sys.stderr)
         return 2
-    problems = resolve(pins, args.branch)
+    problems = resolve(pins, args.branch, args.timeout)
     if problems:
         for problem in problems:
             print(f"lock: REFUSED {problem}", file=sys.stderr)

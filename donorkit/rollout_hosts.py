@@ -24,7 +24,14 @@ from donorkit.rollout_plan import (
     unlock_command,
     upstream_requests,
 )
-from donorkit.transport import SshRunner, ca_file, edge_client_pair, https_get, wait_until
+from donorkit.transport import (
+    SshRunner,
+    ca_file,
+    edge_client_pair,
+    https_get,
+    shown,
+    wait_until,
+)
 
 
 def gpu_side_check(box: Box, hostname: str, checkpoint: str,
@@ -38,9 +45,10 @@ def gpu_side_check(box: Box, hostname: str, checkpoint: str,
         if status != 200:
             return f"{hostname}: HTTP {status}"
         ids = [m.get("id") for m in json.loads(body).get("data", [])]
-        return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
+        return None if checkpoint in ids else shown(
+            f"{hostname}: {checkpoint} not listed ({', '.join(map(str, ids)) or 'none'})")
     except (OSError, ValueError, http.client.HTTPException) as e:
-        return f"{hostname}: {type(e).__name__}: {e}"
+        return shown(f"{hostname}: {type(e).__name__}: {e}")
 
 
 class Unreachable(Exception):
@@ -82,7 +90,7 @@ class RolloutHosts:
             rc, out = self.remote(box).run(lock_command(lock_path(box), holder))
             if rc != 0:
                 self.unlock(holder)
-                held = out.strip() if rc == 3 else f"cannot take the lock: {out.strip()}"
+                held = shown(out.strip() if rc == 3 else f"cannot take the lock: {out.strip()}")
                 raise RolloutLocked(f"{box.name}: another rollout holds {lock_path(box)}: {held}"
                                     if rc == 3 else f"{box.name}: {held}")
             self.locked.append(box)
@@ -100,14 +108,14 @@ class RolloutHosts:
     def edge_clock(self, edge: Edge) -> float:
         rc, out = self.remote(edge).run("date +%s.%N")
         if rc != 0:
-            raise RuntimeError(f"{edge.name}: date: {out}")
+            raise RuntimeError(f"{edge.name}: date: {shown(out)}")
         return float(out)
 
     def edge_events(self, edge: Edge, address: str, since: float) -> list[tuple[float, bool]]:
         rc, out = self.remote(edge).run(
             f"journalctl -u caddy -o cat --no-pager --since=@{int(since) - 1}")
         if rc != 0:
-            raise RuntimeError(f"{edge.name}: journalctl: {out}")
+            raise RuntimeError(f"{edge.name}: journalctl: {shown(out)}")
         return health_events(out, address)
 
     def in_flight(self, edge: Edge, address: str) -> int | None:
@@ -116,7 +124,7 @@ class RolloutHosts:
             f"curl -sS --unix-socket {socket_path} -H 'Host: ' "
             "http://localhost/reverse_proxy/upstreams")
         if rc != 0:
-            raise RuntimeError(f"{edge.name}: admin API: {out}")
+            raise RuntimeError(f"{edge.name}: admin API: {shown(out)}")
         return upstream_requests(out, address)
 
     def in_service(self, box: Box) -> str | None:
@@ -146,12 +154,13 @@ class RolloutHosts:
         rc, out = self.remote(box).run(
             f"curl -sS -m 5 http://127.0.0.1:{model.port}/v1/models")
         if rc != 0:
-            return f"{hostname}: loopback: {out}"
+            return f"{hostname}: loopback: {shown(out)}"
         try:
             ids = [m.get("id") for m in json.loads(out).get("data", [])]
         except (ValueError, AttributeError):
-            return f"{hostname}: loopback: not JSON: {out[:200]}"
-        return None if checkpoint in ids else f"{hostname}: {checkpoint} not listed ({ids})"
+            return f"{hostname}: loopback: not JSON: {shown(out)}"
+        return None if checkpoint in ids else shown(
+            f"{hostname}: {checkpoint} not listed ({', '.join(map(str, ids)) or 'none'})")
 
     def wait_in_service(self, box: Box, timeout: float) -> str | None:
         return wait_until(lambda: self.in_service(box), timeout, interval=1)
@@ -166,7 +175,7 @@ class RolloutHosts:
         flag = shlex.quote(drain_flag(box.data))
         rc, out = self.remote(box).run(f"mkdir -p \"$(dirname {flag})\" && touch {flag}")
         if rc != 0:
-            return since, f"creating its drain flag: {out}"
+            return since, f"creating its drain flag: {shown(out)}"
         deadline = time.monotonic() + timeout
 
         def left() -> float:

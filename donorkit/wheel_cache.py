@@ -27,9 +27,10 @@ import os
 import shlex
 from pathlib import Path
 
-from pyinfra.api import FactBase
+from pyinfra.api import FactBase, FileDownloadCommand
 
 from donorkit.paths import repo_path
+from donorkit.transport import AnswerTooLarge
 from pyinfra_declared.batched_facts import first, sections
 
 
@@ -98,6 +99,63 @@ def stack_id(key: str) -> str:
 def wheel_name(version: str, abi: str, machine: str) -> str:
     """What setuptools names a CPython extension wheel built on Linux."""
     return f"exllamav3-{version}-{abi}-{abi}-linux_{machine}.whl"
+
+
+# The most a copy-back may be, in bytes: a sidecar (one sha256sum line), an exllamav3 wheel (tens
+# of MB for one arch), a stack's kernel archive (FlashInfer's kernels and the compile caches).
+SIDECAR_MAX_BYTES, WHEEL_DOWNLOAD_MAX_BYTES, KERNELS_DOWNLOAD_MAX_BYTES = 4096, 2 << 30, 16 << 30
+
+
+class CappedDownload(FileDownloadCommand):
+    """pyinfra's FileDownloadCommand with a limit: a box's file copied back to this machine is
+    refused past `limit` bytes (the partial copy removed, this host failed with one line), so a
+    box cannot fill the operator's disk whatever it says about the file's size."""
+
+    def __init__(self, src: str, dest: str, limit: int, **kwargs) -> None:
+        super().__init__(src, dest, **kwargs)
+        self.limit = limit
+
+    def __repr__(self) -> str:
+        return f"FileDownloadCommand({self.src}, {self.dest}, at most {self.limit} bytes)"
+
+    def execute(self, state, host, connector_arguments) -> bool:
+        import io
+
+        src, dest, limit = self.src, Path(self.dest), self.limit
+
+        class Capped(io.RawIOBase):
+            """The local file, refusing a write past the limit."""
+
+            def __init__(self, stream) -> None:
+                super().__init__()
+                self.stream, self.size = stream, 0
+
+            def writable(self) -> bool:
+                return True
+
+            def seekable(self) -> bool:
+                return True
+
+            def seek(self, offset: int, whence: int = 0) -> int:
+                self.size = self.stream.seek(offset, whence)  # pyinfra rewinds before writing
+                return self.size
+
+            def write(self, data: bytes) -> int:
+                self.size += len(data)
+                if self.size > limit:
+                    raise AnswerTooLarge(f"{src}: more than {limit} bytes")
+                return self.stream.write(data)
+
+        connector_arguments.update(self.connector_arguments)
+        try:
+            with dest.open("wb") as stream:  # as FileDownloadCommand.execute, into Capped
+                return host.get_file(src, Capped(stream),
+                                     remote_temp_filename=self.remote_temp_filename,
+                                     print_output=state.print_output,
+                                     print_input=state.print_input, **connector_arguments)
+        except AnswerTooLarge as exc:
+            dest.unlink(missing_ok=True)
+            return _refuse(host, f"{exc}: not copied back")
 
 
 def file_sha256(path: Path) -> str:

@@ -328,9 +328,9 @@ def parse(argv: list[str] | None):
     parser.add_argument("--progress-interval", type=float, default=5.0)
     parser.add_argument("--check", action="store_true", help="only say whether it is complete")
     args = parser.parse_args(argv)
-    if not REPO_ID.match(args.repo):
+    if not REPO_ID.fullmatch(args.repo):
         parser.error(f"--repo {args.repo!r} is not ORG/NAME")
-    if not COMMIT.match(args.revision):
+    if not COMMIT.fullmatch(args.revision):
         parser.error(f"--revision {args.revision!r} is not a 40-hex commit hash")
     return args
 

@@ -1,13 +1,16 @@
 """A real SSH server on 127.0.0.1 for the host-free tests (paramiko's server side): any client
 key is let in, and it opens direct-tcpip channels (what OpenSSH's `-W` and `-L` ask for) to the
-address asked, as an edge's sshd does. `serve` yields its port and writes what a client needs:
-a client key, and a known_hosts file with its host key."""
+address asked, as an edge's sshd does. With `exec_reply`, a command (an exec request) is answered
+by that function of the command and the channel, as a box would answer it (a hostile box: escape
+sequences, a huge output, a trickle). `serve` yields its port and writes what a client needs: a
+client key, and a known_hosts file with its host key."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +33,23 @@ class _Forwarding(paramiko.ServerInterface):
     """Any key in; a direct-tcpip channel opens only where the destination accepts a
     connection (else OpenSSH's client says `open failed: connect failed`)."""
 
-    def __init__(self, server: LoopbackSshd) -> None:
+    def __init__(self, server: LoopbackSshd,
+                 exec_reply: Callable[[str, paramiko.Channel], None] | None = None) -> None:
         self.server = server
         self.pending: dict[int, socket.socket] = {}
+        self.exec_reply = exec_reply
+
+    def check_channel_request(self, kind: str, chanid: int) -> int:
+        if kind == "session" and self.exec_reply:
+            return paramiko.OPEN_SUCCEEDED
+        return paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+
+    def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
+        if not self.exec_reply:
+            return False
+        threading.Thread(target=_answer, args=(self.exec_reply, command.decode(), channel),
+                         daemon=True).start()
+        return True
 
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
         return paramiko.AUTH_SUCCESSFUL
@@ -48,6 +65,20 @@ class _Forwarding(paramiko.ServerInterface):
         except OSError:
             return paramiko.OPEN_FAILED_CONNECT_FAILED
         return paramiko.OPEN_SUCCEEDED
+
+
+def _answer(reply: Callable[[str, paramiko.Channel], None], command: str,
+            channel: paramiko.Channel) -> None:
+    # Started while paramiko still has to acknowledge the request: a channel closed before
+    # that acknowledgement reads as a refused command to the client.
+    time.sleep(0.2)
+    try:
+        reply(command, channel)
+        channel.send_exit_status(0)
+    except (OSError, EOFError, paramiko.SSHException):
+        pass  # the client closed the channel
+    finally:
+        channel.close()
 
 
 def _pump(source_recv, sink_send, done) -> None:
@@ -74,23 +105,25 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def _session(conn: socket.socket, host_key: paramiko.PKey, server: LoopbackSshd) -> None:
+def _session(conn: socket.socket, host_key: paramiko.PKey, server: LoopbackSshd,
+             exec_reply: Callable[[str, paramiko.Channel], None] | None) -> None:
     transport = paramiko.Transport(conn)
     server.sessions.append(transport)
     transport.add_server_key(host_key)
-    handler = _Forwarding(server)
+    handler = _Forwarding(server, exec_reply)
     try:
         transport.start_server(server=handler)
     except (paramiko.SSHException, EOFError, OSError):
         return
     while transport.is_active():
         channel = transport.accept(0.5)
-        if channel is not None:
+        if channel is not None and channel.get_id() in handler.pending:
             _relay(channel, handler.pending.pop(channel.get_id()))
 
 
 @contextmanager
-def serve(directory: Path) -> Iterator[LoopbackSshd]:
+def serve(directory: Path, exec_reply: Callable[[str, paramiko.Channel], None] | None = None
+          ) -> Iterator[LoopbackSshd]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -106,7 +139,7 @@ def serve(directory: Path) -> Iterator[LoopbackSshd]:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=_session, args=(conn, host_key, server),
+            threading.Thread(target=_session, args=(conn, host_key, server, exec_reply),
                              daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()

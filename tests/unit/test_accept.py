@@ -328,10 +328,9 @@ def test_tool_calls_are_measured_only_where_the_model_is_served_with_them(
     assert targets["hermes"].tool_calls is True
 
 
-def test_measure_against_the_testbeds_vllm_standin(tmp_path: Path) -> None:
-    """accept's whole measurement (models, version, the chat stream, prefill, the concurrent
-    prompts) with the real OpenAI client against the testbed's vLLM stand-in, as the testbed's
-    home donor is measured: every figure and required check there."""
+def measure_standin(env: dict[str, str] | None = None, tool_calls: bool = False) -> dict:
+    """accept's whole measurement against the testbed's vLLM stand-in (a real HTTP server, run
+    here with `env` added to its environment)."""
     import os
     import socket
     import subprocess
@@ -344,18 +343,25 @@ def test_measure_against_the_testbeds_vllm_standin(tmp_path: Path) -> None:
     standin = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests/testbed/standins/"
                                                     "vllm-standin"), "serve", "o/m", "--host",
                                 "127.0.0.1", "--port", str(port), "--max-model-len", "4096"],
-                               env={**os.environ, "VLLM_STANDIN_LOAD_DELAY": "0"},
+                               env={**os.environ, "VLLM_STANDIN_LOAD_DELAY": "0", **(env or {})},
                                stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while a.unreachable(_target(base_url=f"http://127.0.0.1:{port}")):
             assert time.monotonic() < deadline and standin.poll() is None
             time.sleep(0.1)
-        target = _target(base_url=f"http://127.0.0.1:{port}", tool_calls=False)
-        out = asyncio.run(a.measure(target, lambda _: None))
+        target = _target(base_url=f"http://127.0.0.1:{port}", tool_calls=tool_calls)
+        return asyncio.run(a.measure(target, lambda _: None))
     finally:
         standin.terminate()
         standin.wait()
+
+
+def test_measure_against_the_testbeds_vllm_standin() -> None:
+    """accept's whole measurement (models, version, the chat stream, prefill, the concurrent
+    prompts) with the real OpenAI client against the testbed's vLLM stand-in, as the testbed's
+    home donor is measured: every figure and required check there."""
+    out = measure_standin()
     assert out["checks"]["models"]["ok"] and out["checks"]["version"]["ok"]
     figures = out["figures"]
     for name in ("ttft_s", "decode_tok_s", "prefill_tok_s", "concurrent_wall_s"):
@@ -363,6 +369,40 @@ def test_measure_against_the_testbeds_vllm_standin(tmp_path: Path) -> None:
     assert out["details"]["chat"]["completion_tokens"] == 8
     assert out["details"]["concurrent"]["prompts"] == 2
     assert 3 < out["details"]["chars_per_token"] < 5  # characters / 4, as the stand-in counts
+
+
+def _accepted(out: dict) -> list[str]:
+    """The failures of a record holding these results, compared with a baseline."""
+    acc = core.CardAcceptance(baseline=core.Baseline(decode_tok_s=1.0))
+    res = {**out, "figures_compared": True, "elapsed_s": 1.0,
+           "comparison": core.compare(out["figures"], acc.baseline, 0.15)}
+    return core.failures(_as_record("tb-cpu", "cpu-testbed", {"qwen": res}))
+
+
+def test_an_honest_donors_usage_matches_what_was_received() -> None:
+    """Issue 32, hole 6: the tokens counted are the chunks received (one per token); an
+    honest donor's usage says as many, and it passes."""
+    out = measure_standin()
+    usage = out["checks"]["usage"]
+    assert usage["ok"] and usage["problem"] is None
+    assert usage["claimed_completion_tokens"] == usage["received_tokens"] == 8 + 1 + 2 * 4
+    assert out["details"]["chat"]["received_tokens"] == 8
+    assert _accepted(out) == []
+
+
+def test_a_donor_inflating_its_usage_fails_acceptance() -> None:
+    """A stand-in donor claiming three times the tokens it streams: the figures are still
+    what was received (its decode rate is not tripled), and the usage check fails with one
+    line saying what it claimed and what came."""
+    out = measure_standin({"VLLM_STANDIN_USAGE_FACTOR": "3"})
+    chat = out["details"]["chat"]
+    assert chat["completion_tokens"] == 24 and chat["received_tokens"] == 8
+    # 7 tokens after the first, between its arrival and the last's (not 21).
+    assert out["figures"]["decode_tok_s"] == pytest.approx(7 / (chat["wall_s"] - chat["ttft_s"]))
+    assert not out["checks"]["usage"]["ok"]
+    assert _accepted(out) == [
+        "tb-cpu qwen: check usage failed: the chat stream claimed 24 completion tokens, "
+        "8 received (at most 12 accepted)"]
 
 
 def test_a_stream_without_usage_says_what_it_carried() -> None:

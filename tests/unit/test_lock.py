@@ -5,10 +5,15 @@ model has no revision, before any connection."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -160,3 +165,112 @@ def test_the_loader_refuses_a_donor_whose_model_has_no_revision(tmp_path) -> Non
     assert result.returncode != 0
     assert f"inventory error: {path}: donor 'box-a': field 'models.qwen.revision'" \
         in result.stderr, result.stderr
+
+
+# --- a hub that is not to be believed (issue 32, hole 7): real HTTP servers on loopback --------
+SHA = "b" * 40
+
+
+def _json(handler, doc: dict, status: int = 200) -> None:
+    body = json.dumps(doc).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@contextmanager
+def http_server(answer, address: str = "127.0.0.1") -> Iterator[str]:
+    """An HTTP server answering every GET with `answer(handler)`; yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            try:
+                answer(self)
+            except OSError:
+                pass  # the client gave up
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer((address, 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{address}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _trickle(handler) -> None:
+    body = json.dumps({"id": QWEN, "sha": SHA}).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    for byte in body:
+        handler.wfile.write(bytes([byte]))
+        handler.wfile.flush()
+        time.sleep(0.3)
+
+
+HOSTILE_HUBS = {
+    # Another host's answer, reached by a redirect.
+    "redirect": lambda other: lambda h: (h.send_response(302), h.send_header(
+        "Location", f"{other}{h.path}"), h.send_header("Content-Length", "0"), h.end_headers()),
+    # 4 MiB of answer around a good commit.
+    "huge": lambda _: lambda h: _json(h, {"id": QWEN, "sha": SHA, "pad": "x" * (4 << 20)}),
+    # A good commit, one byte every 0.3 s (about 20 s): each read well within any timeout.
+    "trickle": lambda _: _trickle,
+    # A commit with a newline after it.
+    "newline": lambda _: lambda h: _json(h, {"id": QWEN, "sha": SHA + "\n"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HUBS))
+def test_lock_pins_only_what_the_configured_hub_says_bounded(tmp_path, case: str) -> None:
+    """Refused in one line, nothing written, within the timeout (2 s here): a redirect to
+    another host (127.0.0.2 answers with its own commit), an answer past HUB_ANSWER_LIMIT, one
+    that trickles, a commit followed by a newline."""
+    with http_server(lambda h: _json(h, {"id": QWEN, "sha": "f" * 40}),
+                     "127.0.0.2") as other, http_server(HOSTILE_HUBS[case](other)) as hub:
+        path = tmp_path / "donors.yml"
+        path.write_text(donors(hub))
+        before = path.read_text()
+        started = time.monotonic()
+        result = run("--donors", str(path), "--timeout", "2")
+        elapsed = time.monotonic() - started
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"lock: REFUSED {path}: overrides.models.qwen: {QWEN} @ main from "
+                           f"{hub}: ") and line.endswith("; nothing written"), line
+    assert {"redirect": f"OffHub: the hub redirected to {other}/api/models/{QWEN}/revision/"
+                        f"main, not {hub}: not followed",
+            "huge": f"AnswerTooLarge: {hub}/api/models/{QWEN}/revision/main: answer longer "
+                    f"than {lock.HUB_ANSWER_LIMIT} bytes",
+            "trickle": f"TimeoutError: {hub}/api/models/{QWEN}/revision/main: no whole answer "
+                       "within 2 s",
+            "newline": f"the hub answered no 40-hex commit ('{SHA}\\\\n')"}[case] in line, line
+    assert path.read_text() == before
+    assert elapsed < 12  # the interpreter's start, and 2 s
+
+
+def test_lock_follows_a_redirect_on_the_hub_itself(tmp_path) -> None:
+    """The hub moves a renamed repository's API path on its own origin: followed."""
+    def answer(handler) -> None:
+        if "/api/models/old/" in handler.path:
+            handler.send_response(307)
+            handler.send_header("Location", handler.path.replace("/old/", "/new/"))
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+        else:
+            _json(handler, {"id": QWEN, "sha": SHA})
+
+    with http_server(answer) as hub:
+        path = tmp_path / "donors.yml"
+        path.write_text(donors(hub).replace("      # pinned by make lock\n",
+                                            "      checkpoint: old/name\n"))
+        result = run("--donors", str(path), "--timeout", "5")
+    assert result.returncode == 0, result.stderr
+    assert load_fleet(path)["box-a"].models["qwen"].revision == SHA
