@@ -44,9 +44,20 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -
     return loader.construct_mapping(node)
 
 
+def _construct_object(loader: yaml.SafeLoader, node: yaml.Node, deep: bool = False) -> Any:
+    """PyYAML's construct_object, a value it cannot build (a 13th month, an integer of more
+    than 4300 digits) a YAML error at its place rather than Python's ValueError."""
+    try:
+        return yaml.SafeLoader.construct_object(loader, node, deep)
+    except (ValueError, OverflowError) as exc:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{short(node.value)} cannot be read: {exc}", node.start_mark) from None
+
+
 for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
     _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                             _construct_unique_mapping)
+    _loader.construct_object = _construct_object  # type: ignore[method-assign]
 
 
 # What an inventory file may be (defaults.yml is ~20 KB, a donors file of a hundred boxes less
@@ -133,15 +144,13 @@ def read_bounded_yaml(path: Path) -> Any:
         raise _malformed(path, *problem)
     try:
         return yaml.load(text, Loader=_FastUniqueKeyLoader)
-    except (yaml.YAMLError, ValueError, OverflowError):
+    except yaml.YAMLError:
         pass
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise _malformed(path, getattr(exc, "problem", None) or str(exc), mark) from None
-    except (ValueError, OverflowError) as exc:  # a scalar PyYAML's constructor cannot build
-        raise _malformed(path, f"a value cannot be read: {exc}", None) from None
 
 
 def read_yaml(path: Path) -> Any:

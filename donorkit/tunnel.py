@@ -311,6 +311,12 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
+def undialable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """An edge's endpoint no donor could dial it at: loopback (each donor would dial itself) or
+    link-local (its own network's, or the metadata service)."""
+    return ip.is_loopback or ip.is_link_local
+
+
 def _entry(where: dict[str, str], name: str) -> str:
     return where[name].rsplit(": ", 1)[-1]
 
@@ -370,7 +376,7 @@ def _check_routing(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
         elif ip is not None and ip in network:
             problem = (f"is inside the tunnel pool {network}: the donors would dial into the "
                        "tunnel itself")
-        elif ip is not None and (ip.is_loopback or ip.is_link_local):
+        elif ip is not None and undialable(ip):
             problem = ("is loopback or link-local: each donor would dial itself or its own "
                        "network, not this edge")
         if problem:

@@ -76,6 +76,8 @@ def _generate(kind: str, size: int) -> str:
             f"{' ' * (size + 1)}x: 1\n"
     if kind == "large":
         return "donors: {}\n" + "# padding\n" * (size // 10)
+    if kind == "latin1":
+        return "donors:\n  box:\n    ssh_user: caf\xe9\n"
     if kind == "long_int":
         return "donors:\n  box:\n    ssh_port: " + "1" * size + "\n"
     raise ValueError(kind)
@@ -130,7 +132,8 @@ def _load_in_a_fresh_interpreter(path: Path) -> tuple[int, str, float]:
 @pytest.mark.parametrize("case", _ids("must_refuse"))
 def test_must_refuse(case: dict, tmp_path: Path) -> None:
     path = tmp_path / "donors.yml"
-    path.write_text(case_text(case, tmp_path))
+    text = case_text(case, tmp_path)
+    path.write_bytes(text.encode("latin-1" if "latin1" in case.get("generate", {}) else "utf-8"))
     if "text" in case or "generate" in case:
         status, stderr, seconds = _load_in_a_fresh_interpreter(path)
         assert status == 2 and stderr.count("\n") == 1, (status, stderr[-2000:])
