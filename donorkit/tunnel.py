@@ -359,6 +359,16 @@ def _check_routing(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
                 f"{address} is also the address of {_entry(where, other)} (its ssh_host): the "
                 "tunnel would take its traffic (choose another tunnel_address or pool)"))
     tunnel_addresses = {ipaddress.ip_address(a): n for n, a in addresses.items()}
+    for name, box in edges.items():   # an edge no tunnelled donor needs yet: its own, if set
+        if name in addresses or not box.tunnel_address:
+            continue
+        ip = ipaddress.ip_address(box.tunnel_address)
+        other = tunnel_addresses.get(ip)
+        owner = _entry(where, other) if other else (
+            f"{_entry(where, boxes[str(ip)])} (its ssh_host)" if str(ip) in boxes else None)
+        if owner:
+            raise TunnelError(where[name], "tunnel_address",
+                              f"{ip} is also the address of {owner}")
     for name, box in edges.items():
         field = ("ssh_host" if box_identity(box.tunnel_endpoint) == box_identity(box.ssh_hostname)
                  else "tunnel_endpoint")
