@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from donorkit import render, render_cli, tunnel
+from donorkit import inventory_files, render, render_cli, tunnel
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.paths import REPO_ROOT
 
@@ -190,3 +190,34 @@ def test_the_shipped_inventories_still_load_and_render(tmp_path: Path,
         out = tmp_path / f"out-{name}-{host}"
         assert render_cli.main([host, str(out)]) == 0
         assert (out / "etc/caddy/Caddyfile").is_file()
+
+
+def test_the_reader_counts_what_aliases_expand_to_and_stops_at_its_limits(tmp_path: Path) -> None:
+    """read_bounded_yaml refuses by counting libyaml's events, never by walking what was built:
+    a bomb of 10^30 values is refused as fast as one of 10^9; the limits are exact (64 levels
+    read, 65 refused) and anchors used as intended are read."""
+    path = tmp_path / "f.yml"
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 30)]
+    path.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    with pytest.raises(FleetError, match="aliases expand to more than 200000 values"):
+        inventory_files.read_bounded_yaml(path)
+    assert time.monotonic() - started < 2
+    depth = inventory_files.MAX_YAML_DEPTH
+    # The mapping is one level: 63 lists inside it are read, one more is not.
+    path.write_text("a: " + "[" * (depth - 1) + "]" * (depth - 1) + "\n")
+    node = inventory_files.read_bounded_yaml(path)["a"]
+    for _ in range(depth - 2):
+        [node] = node
+    assert node == []
+    path.write_text("a: " + "[" * depth + "]" * depth + "\n")
+    with pytest.raises(FleetError, match=f"nested deeper than {depth} levels"):
+        inventory_files.read_bounded_yaml(path)
+    path.write_text("base: &b {ssh_user: root, card: rtx4090}\n"
+                    + "".join(f"d{i}: *b\n" for i in range(inventory_files.MAX_YAML_ALIASES)))
+    doc = inventory_files.read_bounded_yaml(path)
+    assert doc["d999"] == {"ssh_user": "root", "card": "rtx4090"}
+    path.write_text(path.read_text() + "one_more: *b\n")
+    with pytest.raises(FleetError, match="more than 1000 aliases"):
+        inventory_files.read_bounded_yaml(path)
