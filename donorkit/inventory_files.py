@@ -57,7 +57,16 @@ def _construct_object(loader: yaml.SafeLoader, node: yaml.Node, deep: bool = Fal
 for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
     _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                             _construct_unique_mapping)
-    _loader.construct_object = _construct_object  # type: ignore[method-assign]
+
+
+class _BoundedLoader(_UniqueKeyLoader):
+    """read_bounded_yaml's: a value PyYAML cannot build is a YAML error at its place."""
+
+    construct_object = _construct_object
+
+
+class _FastBoundedLoader(_FastUniqueKeyLoader):  # type: ignore[misc,valid-type]
+    construct_object = _construct_object
 
 
 # What an inventory file may be (defaults.yml is ~20 KB, a donors file of a hundred boxes less
@@ -143,11 +152,11 @@ def read_bounded_yaml(path: Path) -> Any:
     if problem:
         raise _malformed(path, *problem)
     try:
-        return yaml.load(text, Loader=_FastUniqueKeyLoader)
+        return yaml.load(text, Loader=_FastBoundedLoader)
     except yaml.YAMLError:
         pass
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise _malformed(path, getattr(exc, "problem", None) or str(exc), mark) from None

@@ -76,6 +76,8 @@ def _interface(text: str) -> str:
     characters), letters, digits and `_.-` only (wg-quick would also take `=` and `+`, but
     `wg-quick@<it>.service` is then no unit name systemd accepts), starting with a letter, digit
     or `_` (never an option's `-`), none of RESERVED_INTERFACES."""
+    if text == "lo":
+        raise ValueError("'lo' is the box's loopback interface, not a tunnel's")
     if not re.fullmatch(r"[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,14}", text) \
             or text in RESERVED_INTERFACES:
         raise ValueError(f"{text!r} is not an interface name the kernel, wg-quick and systemd "
