@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from donorkit import pki, schema, tunnel, values
+from donorkit import box_ports, pki, schema, tunnel, values
 from donorkit.host_data import (
     CudaHostCard,
     DonorBox,
@@ -228,12 +228,19 @@ def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
     )
 
 
+def _refuse(where: str, problem: tuple[str, str] | None) -> None:
+    if problem:
+        raise FleetError(f"{where}: field '{problem[0]}': {problem[1]}")
+
+
 def _one_box_per_address(seen: dict[str, str], box: DonorBox | EdgeBox, what: str,
                          where: str) -> None:
     """One box, one entry: values.box_identity's spelling, whatever the SSH port. A tunnelled
     donor's tunnel address is checked against the other tunnel addresses (tunnel.plan)."""
+    if getattr(box, "reach", "direct") != "direct":
+        return          # its tunnel address: tunnel.plan checks it against every box's
     address = values.box_identity(box.ssh_hostname)
-    if address in seen and getattr(box, "reach", "direct") == "direct":
+    if address in seen:
         raise FleetError(f"{where}: field 'ssh_host': {box.ssh_hostname} is the box of "
                          f"{seen[address]} (one box, one entry)")
     seen[address] = what
@@ -284,6 +291,7 @@ def load_inventory(donors_path: Path | str | None = None,
         if problem:
             raise FleetError(f"{where}: field 'overrides.hf_token_file': {problem}")
         box = _donor_box(name, donor, merged, settings, trusted_clients, where)
+        _refuse(where, box_ports.donor_port_problem(box))
         _one_box_per_address(seen_addresses, box, f"donor '{name}'", where)
         fleet[name] = box
     pools = _pools(fleet, donors_path)
@@ -301,11 +309,15 @@ def load_inventory(donors_path: Path | str | None = None,
         edge = validate(schema.Edge, entry, where, known=schema.Edge.model_fields)
         _, settings = _merged(file_wide, edge.overrides, where, "overrides")
         box = _edge_box(name, edge, settings, fleet, pools, where)
+        _refuse(where, box_ports.edge_port_problem(box))
         _one_box_per_address(seen_addresses, box, f"edge '{name}'", where)
         edges[name] = box
+    entries = {**{n: f"{donors_path}: donor '{label(n)}'" for n in fleet},
+               **{n: f"{donors_path}: edge '{label(n)}'" for n in edges}}
     try:
-        tunnel.plan(fleet, edges, {**{n: f"{donors_path}: donor '{label(n)}'" for n in fleet},
-                                   **{n: f"{donors_path}: edge '{label(n)}'" for n in edges}})
+        tunnel.check_keys(fleet, edges, entries)
+        tunnel.plan(fleet, edges, entries)
+        tunnel.check_tunnel_ports(fleet, edges, inventory.donors, entries)
     except tunnel.TunnelError as exc:
         raise FleetError(str(exc)) from None
     if require_local_sources:

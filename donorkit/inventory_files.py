@@ -5,6 +5,7 @@ donorkit.fleet loads the fleet with these."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,10 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -
     seen: set = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        if not isinstance(key, Hashable):  # `? [a]` or `? {a: 1}`: PyYAML's own TypeError
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a {type(key).__name__} cannot be a mapping key",
+                key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -39,28 +44,127 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -
     return loader.construct_mapping(node)
 
 
+def _construct_object(loader: yaml.SafeLoader, node: yaml.Node, deep: bool = False) -> Any:
+    """PyYAML's construct_object, a value it cannot build (a 13th month, an integer of more
+    than 4300 digits) a YAML error at its place rather than Python's ValueError."""
+    try:
+        return yaml.SafeLoader.construct_object(loader, node, deep)
+    except (ValueError, OverflowError) as exc:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{short(node.value)} cannot be read: {exc}", node.start_mark) from None
+
+
 for _loader in (_UniqueKeyLoader, _FastUniqueKeyLoader):
     _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                             _construct_unique_mapping)
 
 
-def read_yaml(path: Path) -> Any:
-    """Parse one YAML file, turning every read/parse problem into a FleetError."""
+class _BoundedLoader(_UniqueKeyLoader):
+    """read_bounded_yaml's: a value PyYAML cannot build is a YAML error at its place."""
+
+    construct_object = _construct_object
+
+
+class _FastBoundedLoader(_FastUniqueKeyLoader):  # type: ignore[misc,valid-type]
+    construct_object = _construct_object
+
+
+# What an inventory file may be (defaults.yml is ~20 KB, a donors file of a hundred boxes less
+# than that): the reader refuses anything past these before building a single Python value.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64           # mappings and lists inside each other
+MAX_YAML_ALIASES = 1000       # `*name` uses of anchors
+MAX_YAML_VALUES = 200_000     # values the document holds once every alias is expanded
+
+
+def _bounds_problem(text: str, loader: type = _FastUniqueKeyLoader) -> tuple[str, Any] | None:
+    """Why `text` is too big to read as data (its problem and the YAML mark where it shows), or
+    None. One pass over libyaml's event stream (no recursion, nothing built): each anchor's
+    expanded size is counted once, so an alias bomb (nine anchors of ten aliases each: 10^9
+    strings once expanded, which every later walk would visit) is refused at the alias that
+    crosses MAX_YAML_VALUES, and deep nesting at the level past MAX_YAML_DEPTH."""
+    sizes: dict[str, int] = {}
+    open_nodes: list[list] = []        # per open mapping or list: [its anchor, its size so far]
+    aliases = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(open_nodes) >= MAX_YAML_DEPTH:
+                return (f"nested deeper than {MAX_YAML_DEPTH} levels (an inventory never is)",
+                        event.start_mark)
+            open_nodes.append([event.anchor, 1])
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_nodes.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1
+        elif isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                return f"more than {MAX_YAML_ALIASES} aliases", event.start_mark
+            anchor, size = None, sizes.get(event.anchor, 1)
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        if open_nodes:
+            open_nodes[-1][1] += size
+            size = open_nodes[-1][1]
+        if size > MAX_YAML_VALUES:
+            return (f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb?)",
+                    event.start_mark)
+    return None
+
+
+def _malformed(path: Path, problem: str, mark: Any) -> FleetError:
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+    return FleetError(f"{path}: malformed YAML{where}: {problem}")
+
+
+def read_bounded_yaml(path: Path) -> Any:
+    """THE reader of every YAML file the operator or a volunteer hands us (defaults.yml, donors
+    files, join files): one parsed document, or one FleetError line naming the file. Bounded
+    before anything is built: the file's size (MAX_YAML_BYTES, read no further), its nesting
+    (MAX_YAML_DEPTH), its aliases and what they expand to (MAX_YAML_ALIASES, MAX_YAML_VALUES);
+    duplicate keys, unhashable keys and values PyYAML cannot build (a 13th month, an integer
+    of 5000 digits) are refused too. What it returns is safe to walk recursively."""
     try:
-        text = path.read_text()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_YAML_BYTES + 1)
     except OSError as exc:
         raise FleetError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise FleetError(f"{path}: more than {MAX_YAML_BYTES} bytes: larger than an inventory "
+                         "file may be")
     try:
-        return yaml.load(text, Loader=_FastUniqueKeyLoader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FleetError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        problem = _bounds_problem(text)
+    except yaml.YAMLError:
+        # libyaml's terse word (or its own nesting limit): PyYAML's parser says where and what
+        # (it is iterative too: nothing here recurses).
+        try:
+            problem = _bounds_problem(text, _UniqueKeyLoader)
+        except yaml.YAMLError as exc:
+            problem = (getattr(exc, "problem", None) or str(exc),
+                       getattr(exc, "problem_mark", None))
+    if problem:
+        raise _malformed(path, *problem)
+    try:
+        return yaml.load(text, Loader=_FastBoundedLoader)
     except yaml.YAMLError:
         pass
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise _malformed(path, getattr(exc, "problem", None) or str(exc), mark) from None
+
+
+def read_yaml(path: Path) -> Any:
+    """read_bounded_yaml (the name the inventory's readers have always used)."""
+    return read_bounded_yaml(path)
 
 
 _EXPECTED = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list_type": "list",

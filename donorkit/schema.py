@@ -30,6 +30,7 @@ from donorkit.tunnel import KeepaliveSeconds, TunnelAddress, TunnelPool, WgInter
 from donorkit.unit_settings import UnitEnvName, UnitService
 from donorkit.values import (
     AbsPath,
+    CaddyTlsPort,
     Checkpoint,
     Commit,
     CudaVersion,
@@ -99,7 +100,7 @@ class Model(Strict):
 
     checkpoint: Checkpoint
     port: Port
-    max_model_len: Annotated[int, Field(ge=1)]
+    max_model_len: Annotated[int, Field(ge=1, le=2**24)]  # tokens (16M: past any model's)
     args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
     environment: Annotated[dict[UnitEnvName, Text], AfterValidator(_retention_multiple)]
     revision: Commit | None = None          # the checkpoint's commit; None: not pinned yet
@@ -119,7 +120,7 @@ class RateLimit(Strict):
     """caddy-ratelimit's zone for one public hostname: `events` per `window` per `key` (one of
     SERVER_KNOWN_KEYS: the client's address, never something the client sends)."""
 
-    events: Annotated[int, Field(ge=1)]
+    events: Annotated[int, Field(ge=1, le=1_000_000)]
     window: Duration
     key: Annotated[Placeholder, AfterValidator(_server_known)]
 
@@ -191,7 +192,7 @@ class Settings(Strict):
     caddy_source: Literal["distro", "upstream"]
     caddy_upstream_repo_url: Url
     caddy_upstream_key_url: Url
-    caddy_https_port: Port
+    caddy_https_port: CaddyTlsPort
     # caddy.service's own runtime directory (its drop-in creates it, and removes it on stop).
     caddy_admin_socket: Annotated[str, _matching(r"/run/caddy/[a-z0-9][a-z0-9.-]*",
                                                  "/run/caddy/<socket>, Caddy's own runtime "
@@ -212,7 +213,7 @@ class Settings(Strict):
     rollout_in_service_timeout: Annotated[int, Field(ge=1, le=86400)]
     edge_rate_limit: RateLimit | None
     edge_public_tls: Literal["acme", "private_ca"]
-    edge_https_port: Port
+    edge_https_port: CaddyTlsPort
     edge_proxy: EdgeProxy
     acceptance: AcceptanceSettings           # `make accept`: workload, tolerance, results
 

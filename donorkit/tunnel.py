@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, Field
 
-from donorkit.values import SshHost
+from donorkit.values import SshHost, box_identity
 
 if TYPE_CHECKING:  # donorkit.schema imports this module's value types: host_data imports schema
     from donorkit.host_data import DonorBox, DonorTunnel, EdgeBox, EdgeTunnel, SshJump
@@ -55,21 +55,49 @@ def _wg_key(text: str) -> str:
     if len(text) != 44 or len(raw) != 32:
         raise ValueError(f"{text!r} is not a WireGuard public key (44 characters of base64, "
                          "what `wg pubkey` prints)")
+    if base64.b64encode(raw).decode() != text:
+        # The last digit's two low bits are not part of the key: another spelling of the same
+        # 32 bytes would pass as a second key (and never match what the box's `wg pubkey` says).
+        raise ValueError(f"{text!r} is not how `wg pubkey` writes a key (its last digit before "
+                         f"'=' is not canonical: {base64.b64encode(raw).decode()!r} is the key)")
     return text
 
 
 WgKey = Annotated[str, AfterValidator(_wg_key)]
 
 
+# Names the kernel has or treats apart ("lo"; "all" and "default" are the sysctl folders of every
+# interface, net.ipv4.conf.all), and "." / "..", which the kernel refuses (dev_valid_name).
+RESERVED_INTERFACES = frozenset({"lo", "all", "default", ".", ".."})
+
+
 def _interface(text: str) -> str:
-    # wg-quick's own rule for an interface name (its config file's name), within IFNAMSIZ.
-    if not re.fullmatch(r"[a-zA-Z0-9_=+.-]{1,15}", text):
-        raise ValueError(f"{text!r} is not an interface name wg-quick accepts (1-15 of "
-                         "letters, digits and _=+.-)")
+    """An interface name the kernel, wg-quick and systemd all take: within IFNAMSIZ (1-15
+    characters), letters, digits and `_.-` only (wg-quick would also take `=` and `+`, but
+    `wg-quick@<it>.service` is then no unit name systemd accepts), starting with a letter, digit
+    or `_` (never an option's `-`), none of RESERVED_INTERFACES."""
+    if text == "lo":
+        raise ValueError("'lo' is the box's loopback interface, not a tunnel's")
+    if not re.fullmatch(r"[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,14}", text) \
+            or text in RESERVED_INTERFACES:
+        raise ValueError(f"{text!r} is not an interface name the kernel, wg-quick and systemd "
+                         "all take (1-15 of letters, digits and _.-, starting with a letter, "
+                         "digit or _; not lo, all, default)")
     return text
 
 
 WgInterface = Annotated[str, AfterValidator(_interface)]
+
+
+# Where a tunnel pool may lie: the private ranges of RFC 1918, and nothing else. Python's
+# `is_private` also says yes to loopback (127/8), link-local (169.254/16: the cloud metadata
+# address), "this network" (0/8), documentation and reserved space (240/4): a hub routes its
+# whole pool into the tunnel, so each of those would take traffic meant for something else.
+PRIVATE_POOLS = tuple(ipaddress.IPv4Network(n)
+                      for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
+_SPECIAL = (("loopback", "is_loopback"), ("link-local (the cloud metadata address's range)",
+                                          "is_link_local"),
+            ("multicast", "is_multicast"), ("reserved", "is_reserved"))
 
 
 def _pool(text: str) -> str:
@@ -78,7 +106,13 @@ def _pool(text: str) -> str:
     except ValueError as exc:
         raise ValueError(f"{text!r} is not an IPv4 network (a.b.c.d/len, host bits 0): "
                          f"{exc}") from None
-    if not network.is_private or network.prefixlen > 28:
+    if not any(network.subnet_of(private) for private in PRIVATE_POOLS):
+        kind = next((word for word, test in _SPECIAL if getattr(network, test)),
+                    "'this network' (0.0.0.0/8)" if network.network_address.packed[0] == 0
+                    else "public or special-purpose space")
+        raise ValueError(f"{text!r}: the tunnel pool must be a private IPv4 network (inside "
+                         f"10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16), not {kind}")
+    if network.prefixlen > 28:
         raise ValueError(f"{text!r}: the tunnel pool must be a private IPv4 network of /28 or "
                          "larger")
     return text
@@ -179,6 +213,7 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
             hubs[edge].append(name)
     members: list[tuple[str, DonorBox | EdgeBox]] = [
         *sorted(tunnelled.items()), *((e, edges[e]) for e in sorted(hubs) if hubs[e])]
+    _check_pool_size(members, where)
     addresses: dict[str, str] = {}
     for name, box in members:
         pool = box.tunnel_settings.pool
@@ -199,6 +234,7 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
         name = sorted(tunnelled)[0]
         raise TunnelError(where[name], "overrides.tunnel.pool",
                           f"one tunnel pool for the whole fleet, not {', '.join(sorted(pools))}")
+    _check_routing(fleet, edges, hubs, addresses, where)
     for edge, donors in hubs.items():
         if not donors:
             continue
@@ -230,7 +266,8 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
         address = addresses[name]
         peers = [TunnelPeer.model_construct(
             name=edge, public_key=edges[edge].tunnel_public_key, address=addresses[edge],
-            endpoint=endpoint(edges[edge].tunnel_endpoint, settings.port))
+            # The port the edge listens on: its own settings' (an edge's overrides may move it).
+            endpoint=endpoint(edges[edge].tunnel_endpoint, edges[edge].tunnel_settings.port))
             for edge in dials[name]]
         # The operator's machine reaches the box at its tunnel address, through the first edge
         # of its hubs that has joined the tunnel (SSH -W: a TCP stream through the edge's sshd).
@@ -265,6 +302,142 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
                 ssh_user=jump.ssh_user, ssh_key=jump.ssh_key,
                 ssh_known_hosts_file=jump.ssh_known_hosts_file),
         })
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an address (box_identity's spelling: IPv4-mapped IPv6 as IPv4, localhost as
+    127.0.0.1), or None for a hostname (not resolved: nothing is asked of the network here)."""
+    try:
+        return ipaddress.ip_address(box_identity(host))
+    except ValueError:
+        return None
+
+
+def undialable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """An edge's endpoint no donor could dial it at: loopback (each donor would dial itself) or
+    link-local (its own network's, or the metadata service)."""
+    return ip.is_loopback or ip.is_link_local
+
+
+def _entry(where: dict[str, str], name: str) -> str:
+    return where[name].rsplit(": ", 1)[-1]
+
+
+def _check_pool_size(members: list[tuple[str, DonorBox | EdgeBox]],
+                     where: dict[str, str]) -> None:
+    """A pool with fewer host addresses than the tunnel has boxes: refused as such (not as the
+    collision of two derived addresses that would follow)."""
+    pools = {box.tunnel_settings.pool for _, box in members}
+    if len(pools) != 1:
+        return                        # plan's own check: one pool for the whole fleet
+    pool = pools.pop()
+    hosts = ipaddress.IPv4Network(pool).num_addresses - 2
+    if len(members) > hosts:
+        raise TunnelError(where[members[0][0]], "tunnel.pool", (
+            f"{pool} is too small: {hosts} addresses for the tunnel's {len(members)} boxes "
+            "(its donors and hub edges); choose a larger pool"))
+
+
+def _check_routing(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
+                   hubs: dict[str, list[str]], addresses: dict[str, str],
+                   where: dict[str, str]) -> None:
+    """What each end of the tunnel would reach is the box meant, or TunnelError:
+    - no tunnel address (given or derived) is another box's own address (a direct donor's or
+      an edge's ssh_host, whatever the order of the entries or the spelling of the address);
+    - no edge's tunnel endpoint (where its donors dial it) is another box, a tunnel address,
+      inside the pool, loopback or link-local;
+    - no box's own address lies inside the pool: each hub routes the whole pool into the
+      tunnel, so traffic for that box would go there instead."""
+    network = ipaddress.IPv4Network(next(iter(fleet[n] for n in fleet
+                                              if fleet[n].reach == "tunnel")).tunnel_settings.pool)
+    boxes: dict[str, str] = {}        # box_identity of each box's own address -> its name
+    for name, box in [*((n, b) for n, b in fleet.items() if b.reach == "direct"),
+                      *edges.items()]:
+        boxes.setdefault(box_identity(box.ssh_hostname), name)
+    for name, address in addresses.items():
+        other = boxes.get(address)
+        if other is not None and other != name:
+            raise TunnelError(where[name], "tunnel_address", (
+                f"{address} is also the address of {_entry(where, other)} (its ssh_host): the "
+                "tunnel would take its traffic (choose another tunnel_address or pool)"))
+    tunnel_addresses = {ipaddress.ip_address(a): n for n, a in addresses.items()}
+    for name, box in edges.items():   # an edge no tunnelled donor needs yet: its own, if set
+        if name in addresses or not box.tunnel_address:
+            continue
+        ip = ipaddress.ip_address(box.tunnel_address)
+        other = tunnel_addresses.get(ip)
+        owner = _entry(where, other) if other else (
+            f"{_entry(where, boxes[str(ip)])} (its ssh_host)" if str(ip) in boxes else None)
+        if owner:
+            raise TunnelError(where[name], "tunnel_address",
+                              f"{ip} is also the address of {owner}")
+    for name, box in edges.items():
+        field = ("ssh_host" if box_identity(box.tunnel_endpoint) == box_identity(box.ssh_hostname)
+                 else "tunnel_endpoint")
+        if field == "ssh_host" and not hubs.get(name):
+            continue                  # not dialled by anyone: its ssh_host is checked below
+        problem = None
+        other = boxes.get(box_identity(box.tunnel_endpoint))
+        ip = _ip(box.tunnel_endpoint)
+        if other is not None and other != name:
+            problem = f"is the address of {_entry(where, other)}: its donors would dial that box"
+        elif ip in tunnel_addresses:
+            whose = ("its own tunnel address" if tunnel_addresses[ip] == name else
+                     f"the tunnel address of {_entry(where, tunnel_addresses[ip])}")
+            problem = f"is {whose}: the donors would dial into the tunnel itself"
+        elif ip is not None and ip in network:
+            problem = (f"is inside the tunnel pool {network}: the donors would dial into the "
+                       "tunnel itself")
+        elif ip is not None and undialable(ip):
+            problem = ("is loopback or link-local: each donor would dial itself or its own "
+                       "network, not this edge")
+        if problem:
+            raise TunnelError(where[name], field, f"{box.tunnel_endpoint} {problem} (the "
+                              "edge's tunnel_endpoint, or its ssh_host when it has none, is "
+                              "where its donors dial it)")
+    for name, box in [*((n, b) for n, b in fleet.items() if b.reach == "direct"),
+                      *edges.items()]:
+        ip = _ip(box.ssh_hostname)
+        if ip is not None and ip in network:
+            raise TunnelError(where[name], "ssh_host", (
+                f"{box.ssh_hostname} is inside the tunnel pool {network}: every hub routes the "
+                "whole pool into the tunnel, so traffic for this box would go there (choose a "
+                "pool apart from the boxes' addresses)"))
+
+
+def check_keys(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
+               where: dict[str, str]) -> None:
+    """One WireGuard key, one peer: two boxes pasted with one key (two donors, a donor and an
+    edge, two edges) would each take the other's tunnel traffic. Compared as the 32 bytes."""
+    seen: dict[bytes, str] = {}
+    for name, box in [*fleet.items(), *edges.items()]:
+        if not box.tunnel_public_key:
+            continue
+        raw = base64.b64decode(box.tunnel_public_key)
+        if raw in seen:
+            raise TunnelError(where[name], "tunnel_public_key", (
+                f"{box.tunnel_public_key} is also the key of {_entry(where, seen[raw])}: one "
+                "key, one box (paste what `wg pubkey` printed on this box)"))
+        seen[raw] = name
+
+
+def check_tunnel_ports(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
+                       entries: dict[str, dict], where: dict[str, str]) -> None:
+    """`tunnel.port` is the port a hub edge listens on; a donor dials each of its edges on the
+    edge's own (plan). A donor whose own `overrides` set another port would mean a tunnel
+    nobody listens on: refused, naming the edge. `entries`: the donors file's donor entries
+    (validated), for what each donor's own overrides say."""
+    for name, box in fleet.items():
+        own = entries[name].get("overrides", {}).get("tunnel", {})
+        if box.tunnel is None or "port" not in own:
+            continue
+        for edge in box.tunnel_hubs:
+            listens = edges[edge].tunnel_settings.port
+            if listens != own["port"]:
+                raise TunnelError(where[name], "overrides.tunnel.port", (
+                    f"{own['port']}, but edge '{edge}' listens on {listens}: tunnel.port is "
+                    "the hub edges' listen port, and a donor dials each edge on its own (set "
+                    "it on the edge or file-wide, not on the donor)"))
 
 
 def _to_edge(jump: EdgeBox | SshJump) -> list[str]:

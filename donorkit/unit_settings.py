@@ -25,6 +25,8 @@ def _setting(pattern: str, what: str) -> Any:
     def check(value: str | int | bool) -> str | int | bool:
         text = _unit_text(value)
         _no_control(text)
+        if re.search(r"[0-9]{19}", text):  # past systemd's 64-bit values: it would ignore the line
+            raise ValueError(f"{text!r}: a number of 19 digits or more is out of range")
         if not compiled.fullmatch(text):
             raise ValueError(f"{text!r} is not {what}")
         return value

@@ -5,6 +5,7 @@ once: `duration_ns`), package requirements, vLLM arguments, and `Strict`, every 
 
 
 import ipaddress
+import math
 import re
 import socket
 import unicodedata
@@ -148,6 +149,17 @@ def _not_root(text: str) -> str:
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _not_http_port(port: int) -> int:
+    if port == 80:
+        raise ValueError("80 is Caddy's plain-HTTP port (a site there gets no TLS, and an ACME "
+                         "edge answers its challenges there)")
+    return port
+
+
+CaddyTlsPort = Annotated[int, Field(ge=1, le=65535), AfterValidator(_not_http_port)]
+"""The port of a Caddy TLS site (a donor's caddy_https_port, an edge's edge_https_port)."""
 Hostname = Annotated[str, Field(max_length=253), _matching(
     r"([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}", "a DNS hostname")]
 """A public hostname (lowercase, fully qualified)."""
@@ -198,14 +210,48 @@ def box_identity(host: str) -> str:
         return "127.0.0.1"
     return address.compressed
 
+def _url_authority(text: str) -> str:
+    """A URL's host and port, past its pattern: the port 1-65535 (written without leading
+    zeros), the host a DNS name of valid labels or an IPv4 address of one box that is neither
+    link-local (169.254.169.254, the cloud metadata service, would be handed the request and
+    any token with it) nor multicast, broadcast or unspecified. `file:///` has neither."""
+    found = re.match(r"[a-z+]+://([^/]*)", text)
+    if not found or not found.group(1):
+        return text
+    host, sep, port = found.group(1).rpartition("@")[2].partition(":")
+    if sep and not (port.isdigit() and port == str(int(port)) and 1 <= int(port) <= 65535):
+        raise ValueError(f"{text!r}: port {port!r} is not a port (1-65535)")
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError:
+        address = None
+    if address is not None:
+        if address.is_link_local or address.is_multicast or address.is_unspecified \
+                or address == ipaddress.IPv4Address("255.255.255.255"):
+            raise ValueError(f"{text!r}: {host} is not the address of a server (link-local, "
+                             "multicast, broadcast or unspecified)")
+        return text
+    if len(host) > 253 or not re.fullmatch(rf"{_LABEL}(\.{_LABEL})*\.?", host):
+        raise ValueError(f"{text!r}: {host!r} is not a hostname (labels of letters, digits and "
+                         "'-', not starting or ending with '-') or an IPv4 address")
+    try:  # 127.1, 0x7f.0.0.1: the resolver reads them as IPv4 addresses
+        socket.inet_aton(host)
+    except OSError:
+        return text
+    raise ValueError(f"{text!r}: {host!r} is another spelling of an IPv4 address: write it as "
+                     "a.b.c.d")
+
+
+UrlHostPort = AfterValidator(_url_authority)
 Url = Annotated[str, _matching(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%+/-]*)?",
-                               "an http(s) URL (host, optional port and path; no query)")]
+                               "an http(s) URL (host, optional port and path; no query)"),
+                UrlHostPort]
 GitUrl = Annotated[str, _matching(
     r"(https?|git|ssh)://[A-Za-z0-9.@:-]+(/[A-Za-z0-9._~%+/-]*)?|file:///[A-Za-z0-9._~%+/-]+",
-    "a git URL (http(s)://, git://, ssh:// or file:///; no query)")]
+    "a git URL (http(s)://, git://, ssh:// or file:///; no query)"), UrlHostPort]
 UrlTemplate = Annotated[str, _matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{distro\})*)?",
-    "an http(s) URL (may contain {distro})")]
+    "an http(s) URL (may contain {distro})"), UrlHostPort]
 GitRef = Annotated[str, Field(max_length=200),
                    _matching(r"[A-Za-z0-9][A-Za-z0-9._/+-]*", "a git tag, branch or commit")]
 Version = Annotated[str, _matching(r"[0-9][0-9A-Za-z.+-]*", "a version (e.g. 0.26.0)")]
@@ -214,7 +260,7 @@ DriverVersion = Annotated[str, _matching(r"[0-9]+(\.[0-9]+)*", "an NVIDIA driver
 VllmVariant = Annotated[str, _matching(r"cu[0-9]{3}", "a CUDA variant like cu129")]
 WheelUrlTemplate = Annotated[str, _matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{version\}|\{variant\})*)?",
-    "an http(s) URL (may contain {version} and {variant})")]
+    "an http(s) URL (may contain {version} and {variant})"), UrlHostPort]
 Arch = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a compute capability MAJOR.MINOR")]
 CudaVersion = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a CUDA version MAJOR.MINOR")]
 DebPackage = Annotated[str, _matching(r"[a-z0-9][a-z0-9+.-]+", "a Debian package name")]
@@ -335,6 +381,10 @@ def owned_option(arg: str) -> str | None:
 
 
 def _model_arg(value: str | int | float) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite number")
+    if isinstance(value, int) and not -2**63 <= value < 2**63:
+        raise ValueError(f"{value} is out of range (a 64-bit integer)")
     text = str(value)
     _no_control(text)
     owned = owned_option(text)

@@ -8,6 +8,7 @@ address (a loopback address here: the pool is 127.77.0.0/16)."""
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import yaml
 
 from donorkit import accept as a
 from donorkit import acceptance as core
-from donorkit import transport
+from donorkit import transport, tunnel
 from donorkit.fleet import load_inventory
 from donorkit.host_data import SshJump
 from donorkit.paths import REPO_ROOT
@@ -33,6 +34,16 @@ from tests.unit import loopback_sshd, version_server
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
 HOSTNAME = "hermes.ai.unturf.com"
 TUNNEL = "127.77.0.9"   # tb-home's tunnel address here: loopback, as only "the edge" reaches
+
+
+@pytest.fixture(autouse=True)
+def loopback_tunnel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for the tunnel, which cannot exist here (no WireGuard between loopback
+    addresses): its pool on loopback, its edge dialled at 127.0.0.1. The inventory refuses both
+    for a real fleet (tunnel.PRIVATE_POOLS, tunnel.undialable): allowed for this test only."""
+    monkeypatch.setattr(tunnel, "PRIVATE_POOLS",
+                        (*tunnel.PRIVATE_POOLS, ipaddress.IPv4Network("127.77.0.0/16")))
+    monkeypatch.setattr(tunnel, "undialable", lambda ip: False)
 
 
 def donors_file(tmp_path: Path, edits: dict | None = None, edge: dict | None = None) -> Path:
