@@ -134,7 +134,8 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         **install,
         trusted_clients=trusted_clients,
         reach=donor.reach,
-        owner=donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator"),
+        owner=schema.resolved_owner(donor),
+        cache_builder=donor.cache_builder,
         tunnel_settings=settings.tunnel,
         tunnel_address=donor.tunnel_address,
         tunnel_public_key=donor.tunnel_public_key,
@@ -274,6 +275,10 @@ def load_inventory(donors_path: Path | str | None = None,
         box = _donor_box(name, donor, merged, settings, trusted_clients, where)
         _one_box_per_address(seen_addresses, box, f"donor '{name}'", where)
         fleet[name] = box
+    # Every box knows the inventory's cache builders: their entries alone go to other boxes.
+    builders = sorted(name for name, box in fleet.items() if box.cache_builder)
+    fleet = {name: box.model_copy(update={"cache_builders": builders})
+             for name, box in fleet.items()}
     pools = _pools(fleet, donors_path)
     edges: dict[str, EdgeBox] = {}
     for name, entry in inventory.edges.items():
