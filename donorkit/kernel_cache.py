@@ -201,7 +201,7 @@ def member_problem(member: tarfile.TarInfo) -> str | None:
     return None
 
 
-def check_archive(path: Path) -> None:
+def check_archive(path: Path, name: str | None = None) -> None:
     """Refuse (WheelCacheError, one line naming the file) a kernel archive holding anything but
     the engine's caches (member_problem), or too much. Headers only: nothing is unpacked."""
     problem = None
@@ -219,15 +219,15 @@ def check_archive(path: Path) -> None:
     except (tarfile.TarError, OSError, UnicodeError) as exc:
         problem = f"not a readable tar archive ({exc})"
     if problem:
-        raise wheel_cache.WheelCacheError(f"{path.name}: {problem}: refused")
+        raise wheel_cache.WheelCacheError(f"{name or path.name}: {problem}: refused")
 
 
 @dataclass(frozen=True)
 class ArchiveCheck:
     """check_archive as the cache's `check` (a plain repr)."""
 
-    def __call__(self, path: Path) -> None:
-        check_archive(path)
+    def __call__(self, path: Path, name: str | None = None) -> None:
+        check_archive(path, name)
 
 
 def stamp_command(kernels: UnitKernels, key: str) -> str:

@@ -125,5 +125,5 @@ def ready_gate(unit: str, port: int, checkpoint: str, python: str, script: str,
         host.noop(f"{unit} lists {checkpoint}")
         return
     yield FunctionCommand(_streamed, (
-        f"{q(python)} -I -S {q(script)} --unit {q(unit)} --port {int(port)} --model {q(checkpoint)} "
-        f"--timeout {float(timeout):g} --journal-lines {int(journal_lines)}",), {})
+        f"{q(python)} -I -S {q(script)} --unit {q(unit)} --port {int(port)} "
+        f"--model {q(checkpoint)} --timeout {float(timeout):g} --journal-lines {int(journal_lines)}",), {})

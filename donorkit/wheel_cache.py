@@ -236,7 +236,7 @@ def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
     return None
 
 
-def check_wheel(path: Path, version: str) -> None:
+def check_wheel(path: Path, version: str, name: str | None = None) -> None:
     """Refuse (WheelCacheError, one line naming the file) a wheel that holds more than exllamav3
     `version` (its package, its compiled extension, its .dist-info without entry points): no
     .pth, no other module, no scripts or data, no links; each file as RECORD hashes it; bounded
@@ -247,7 +247,7 @@ def check_wheel(path: Path, version: str) -> None:
     except (zipfile.BadZipFile, OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
         problem = f"not a readable wheel ({exc})"
     if problem:
-        raise WheelCacheError(f"{path.name}: {problem}: refused")
+        raise WheelCacheError(f"{name or path.name}: {problem}: refused")
 
 
 @dataclass(frozen=True)
@@ -257,8 +257,8 @@ class WheelCheck:
 
     version: str
 
-    def __call__(self, path: Path) -> None:
-        check_wheel(path, self.version)
+    def __call__(self, path: Path, name: str | None = None) -> None:
+        check_wheel(path, self.version, name)
 
 
 def download_names(wheel: str, box: str) -> tuple[str, str]:
@@ -270,7 +270,7 @@ def download_names(wheel: str, box: str) -> tuple[str, str]:
 
 
 def commit_download(entry_dir: str, wheel: str, key: str, box: str,
-                    builders: Collection[str], check: Callable[[Path], None]) -> bool:
+                    builders: Collection[str], check: Callable[[Path, str], None]) -> bool:
     """Move `box`'s downloaded wheel and sidecar into the cache if `box` is a cache builder
     (one of `builders`), they match and `check` (the content's, raising WheelCacheError)
     passes; True when they became the entry, False when a builder's entry was already there
@@ -291,7 +291,7 @@ def commit_download(entry_dir: str, wheel: str, key: str, box: str,
         if found != want:
             raise WheelCacheError(f"downloaded {wheel} has sha256 {found}, the box's sidecar "
                                   f"says {want}")
-        check(tmp_wheel)
+        check(tmp_wheel, f"{wheel} copied back")
         with (entry.parent / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -335,7 +335,7 @@ def prepare_entry(state: object, host: object, entry_dir: str) -> bool:
 
 
 def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str,
-                 builders: Collection[str], check: Callable[[Path], None]) -> bool:
+                 builders: Collection[str], check: Callable[[Path, str], None]) -> bool:
     """FunctionCommand: this box's downloaded wheel (or archive: `check` says what it may hold)
     into the cache (commit_download)."""
     try:

@@ -28,7 +28,7 @@ WHEEL = "exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl"
 BUILDERS = ("box-a", "box-b", "box-c", "box-d", "box-0", "box-1", "box-2", "box-3")
 
 
-def NO_CHECK(path: Path) -> None:
+def NO_CHECK(path: Path, name: str) -> None:
     return None
 
 
