@@ -126,4 +126,5 @@ def ready_gate(unit: str, port: int, checkpoint: str, python: str, script: str,
         return
     yield FunctionCommand(_streamed, (
         f"{q(python)} -I -S {q(script)} --unit {q(unit)} --port {int(port)} "
-        f"--model {q(checkpoint)} --timeout {float(timeout):g} --journal-lines {int(journal_lines)}",), {})
+        f"--model {q(checkpoint)} --timeout {float(timeout):g} "
+        f"--journal-lines {int(journal_lines)}",), {})
