@@ -277,13 +277,16 @@ def ship_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
     # owns what it makes (no chown). Neither tar keeps the archive's owners or modes.
     yield (f"cd / && runuser -u {user} -- tar -C {home} --no-same-owner "
            f"--no-same-permissions -xf - --exclude=.cache/flashinfer < {q(remote)}.part")
-    # FlashInfer's folder is in the venv, root's (the service user must not write there).
+    # FlashInfer's folder is in the venv, root's (the service user must not write there); its
+    # kernels readable by the engine, as the rest of the venv (built under the unit's UMask 0077,
+    # they come as 0600/0700).
     yield (f"for package in {package}; do [ -d \"$package\" ] || continue; "
            "mkdir -p \"$package/data/aot\" && "
            f"tar -C \"$package/data/aot\" --no-same-owner --no-same-permissions "
            f"-xf {q(remote)}.part --wildcards "
            "--transform 's,^\\.cache/flashinfer/[^/]*/[^/]*/cached_ops/,,' "
-           f"'.cache/flashinfer/*' || exit 1; done")
+           "'.cache/flashinfer/*' && chmod -R u=rwX,go=rX \"$package/data/aot\" "
+           "|| exit 1; done")
     yield f"rm -f {q(remote)}.part && {stamp_command(kernels, stack.key)}"
 
 

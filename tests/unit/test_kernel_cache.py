@@ -345,7 +345,7 @@ def test_the_box_unpacks_as_the_service_user_without_modes(nobody_boxes, monkeyp
     second.run(ship_kernels)
     aot = second.site / "flashinfer/data/aot/k/k.so"
     assert aot.read_bytes() == b"setuid kernel" and not aot.stat().st_mode & 0o7000
-    assert aot.stat().st_uid == 0  # root's, as the venv is
+    assert aot.stat().st_uid == 0 and aot.stat().st_mode & 0o777 == 0o755  # as the venv's files
     for path in (".cache/vllm/setuid", ".triton/cache/XYZ/kernel.cubin"):
         made = second.home / path
         assert not made.stat().st_mode & 0o7000, oct(made.stat().st_mode)
