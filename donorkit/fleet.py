@@ -134,11 +134,11 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         **install,
         trusted_clients=trusted_clients,
         reach=donor.reach,
-        owner=schema.resolved_owner(donor),
-        cache_builder=donor.cache_builder,
+        owner=donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator"),
         tunnel_settings=settings.tunnel,
         tunnel_address=donor.tunnel_address,
         tunnel_public_key=donor.tunnel_public_key,
+        cache_builder=donor.cache_builder,
     )
 
 
