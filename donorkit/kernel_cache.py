@@ -185,19 +185,19 @@ def kernel_stack(kernels: UnitKernels, box: dict, venv: dict, cuda: dict) -> Ker
 
 def member_problem(member: tarfile.TarInfo) -> str | None:
     """What is wrong with one member of a kernel archive (None: nothing)."""
-    name = member.name
+    name, said = member.name, wheel_cache.shown(member.name)
     parts = name.rstrip("/").split("/")
     if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        return f"{name!r}: not a plain relative path"
+        return f"{said}: not a plain relative path"
     if not (member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.isdir()):
         kind = ("a link" if member.issym() or member.islnk() else
                 "a device or fifo" if member.isdev() else "not a regular file or folder")
-        return f"{name}: {kind} (only files and folders)"
+        return f"{said}: {kind} (only files and folders)"
     if member.mode & 0o7000:
-        return f"{name}: setuid/setgid/sticky bits (mode {member.mode:o})"
+        return f"{said}: setuid/setgid/sticky bits (mode {member.mode:o})"
     if not (any(name == cache or name.startswith(f"{cache}/") for cache in HOME_CACHES)
             or (member.isfile() and FLASHINFER_KERNEL.fullmatch(name))):
-        return f"{name}: outside the engine's caches ({', '.join(HOME_CACHES)}, FlashInfer's)"
+        return f"{said}: outside the engine's caches ({', '.join(HOME_CACHES)}, FlashInfer's)"
     return None
 
 
@@ -217,7 +217,7 @@ def check_archive(path: Path, name: str | None = None) -> None:
                 if problem:
                     break
     except (tarfile.TarError, OSError, UnicodeError) as exc:
-        problem = f"not a readable tar archive ({exc})"
+        problem = f"not a readable tar archive ({wheel_cache.shown(str(exc))})"
     if problem:
         raise wheel_cache.WheelCacheError(f"{name or path.name}: {problem}: refused")
 

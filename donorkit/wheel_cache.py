@@ -190,6 +190,15 @@ def trusted_entry(entry_dir: Path, wheel: str, builders: Collection[str]) -> boo
     return has_entry(entry_dir, wheel) and distrusted(entry_dir, builders) is None
 
 
+PLAIN_NAME = re.compile(r"[\w./+@=,-]{1,200}", re.ASCII)
+
+
+def shown(name: str) -> str:
+    """A file name from a box's archive, for one line on the operator's terminal: as it is when
+    plain, else escaped (no control character reaches the terminal) and cut to 200 characters."""
+    return name if PLAIN_NAME.fullmatch(name) else ascii(name[:200])
+
+
 def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
     infos = archive.infolist()
     if len(infos) > WHEEL_MAX_FILES:
@@ -201,17 +210,18 @@ def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
         return "a file is in it twice"
     for info in infos:
         name, mode = info.filename, info.external_attr >> 16
+        said = shown(name)
         parts = name.rstrip("/").split("/")
         if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
-            return f"{name!r}: not a plain relative path"
+            return f"{said}: not a plain relative path"
         if stat.S_ISLNK(mode) or mode & 0o7000:
-            return f"{name}: a link or setuid/setgid/sticky bits (mode {mode:o})"
+            return f"{said}: a link or setuid/setgid/sticky bits (mode {mode:o})"
         if name.endswith(".pth"):
-            return f"{name}: a .pth file (Python runs it at every start)"
+            return f"{said}: a .pth file (Python runs it at every start)"
         if name == f"{dist_info}entry_points.txt":
-            return f"{name}: entry points (scripts in the venv's bin, on the units' PATH)"
+            return f"{said}: entry points (scripts in the venv's bin, on the units' PATH)"
         if not (name.startswith(("exllamav3/", dist_info)) or EXTENSION.fullmatch(name)):
-            return f"{name}: outside the exllamav3 package, its extension and {dist_info}"
+            return f"{said}: outside the exllamav3 package, its extension and {dist_info}"
     record_name = f"{dist_info}RECORD"
     if record_name not in names:
         return f"no {record_name}"
@@ -219,12 +229,12 @@ def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
     for row in csv.reader(io.StringIO(archive.read(record_name).decode("utf-8"))):
         if row and row[0] != record_name:
             if len(row) < 2 or not row[1].startswith("sha256="):
-                return f"RECORD has no sha256 for {row[0] if row else '?'}"
+                return f"RECORD has no sha256 for {shown(row[0])}"
             record[row[0]] = row[1].removeprefix("sha256=")
     files = [n for n in names if not n.endswith("/") and n != record_name]
     if sorted(files) != sorted(record):
         extra = sorted(set(files) ^ set(record))[:3]
-        return f"RECORD does not list exactly its files ({', '.join(extra)})"
+        return f"RECORD does not list exactly its files ({', '.join(map(shown, extra))})"
     for name in files:
         digest = hashlib.sha256()
         with archive.open(name) as stream:
@@ -232,7 +242,7 @@ def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
                 digest.update(block)
         found = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
         if found != record[name]:
-            return f"{name} does not match its RECORD hash"
+            return f"{shown(name)} does not match its RECORD hash"
     return None
 
 
@@ -245,7 +255,7 @@ def check_wheel(path: Path, version: str, name: str | None = None) -> None:
         with zipfile.ZipFile(path) as archive:
             problem = _wheel_problem(archive, f"exllamav3-{version}.dist-info/")
     except (zipfile.BadZipFile, OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
-        problem = f"not a readable wheel ({exc})"
+        problem = f"not a readable wheel ({shown(str(exc))})"
     if problem:
         raise WheelCacheError(f"{name or path.name}: {problem}: refused")
 

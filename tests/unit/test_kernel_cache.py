@@ -194,6 +194,9 @@ HOSTILE_ARCHIVES = {
     "an absolute path": ([("/etc/cron.d/x", "file", 0o644, b"x")], "not a plain relative path"),
     "ssh keys": ([(".ssh/authorized_keys", "file", 0o600, b"ssh-ed25519 AAAA volunteer")],
                  ".ssh/authorized_keys: outside the engine's caches"),
+    "a name that retitles the terminal": (
+        [(".cache/vllm/\x1b]0;owned\x07", "file", 0o644, b"x"), ("\x1b[2J", "file", 0o644, b"")],
+        "'\\x1b[2J': outside the engine's caches"),
     "a FlashInfer path that is no kernel": (
         [(".cache/flashinfer/0.6.14/89/cached_ops/k/other.py", "file", 0o644, b"x")],
         "outside the engine's caches"),

@@ -344,6 +344,9 @@ HOSTILE_WHEELS = {
     "a path out of the venv": (
         {**good_files(), "exllamav3/../../../../etc/cron.d/x": b"* * * * * root id\n"}, None,
         None, "not a plain relative path"),
+    "a name that clears the terminal": (
+        {**good_files(), "\x1b[2J\x1b]0;owned\x07": b""}, None, None,
+        "'\\x1b[2J\\x1b]0;owned\\x07': outside the exllamav3 package"),
     "a setuid file": (
         good_files(), None, {"exllamav3/__init__.py": 0o104755}, "setuid/setgid/sticky"),
     "a symbolic link": (
