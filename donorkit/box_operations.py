@@ -21,6 +21,7 @@ from donorkit.box_facts import CaddyModules, CudaStack
 from donorkit.host_data import HostCard
 from donorkit.paths import repo_path
 from donorkit.wheel_cache import Exllamav3Stack
+from pyinfra_declared.batched_facts import shell_glob
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
 
@@ -128,6 +129,9 @@ class Exllamav3Build:
     stamp: str  # on the box: the key of the stack installed
     box_dir: str  # on the box: <stack id>/<wheel> and its sha256 sidecar
     cache_dir: str  # on the operator's machine
+    # The inventory's cache builders (DonorBox.cache_builders): only they copy a wheel back,
+    # and only their wheels go to other boxes (donorkit/wheel_cache.py).
+    builders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,14 +183,19 @@ def upload_cached_wheel(build: Exllamav3Build, box: dict, cuda: dict):
     if stack.installed or stack.on_box:
         host.noop(f"exllamav3 stack {stack.id}: {'installed' if stack.installed else 'on box'}")
         return
-    try:
-        cached = wheel_cache.cached_wheel(stack.entry, stack.wheel)
-    except wheel_cache.WheelCacheError as exc:
-        fail(str(exc))
-    if not cached:
+    if not wheel_cache.has_entry(stack.entry, stack.wheel):
         host.noop(f"no cached wheel for stack {stack.id}: the box builds it")
         return
-    path, digest = cached
+    distrusted = wheel_cache.distrusted(stack.entry, build.builders)
+    if distrusted:
+        host.noop(f"the cached wheel of stack {stack.id} {distrusted}: not shipped, the box "
+                  "builds its own")
+        return
+    try:
+        path, digest = wheel_cache.cached_wheel(stack.entry, stack.wheel)
+        wheel_cache.check_wheel(path, build.version)
+    except wheel_cache.WheelCacheError as exc:
+        fail(str(exc))
     q_wheel = q(stack.wheel)
     yield StringCommand("mkdir", "-p", QuoteString(stack.remote_dir))
     yield FileUploadCommand(str(path), f"{stack.remote_wheel}.part")
@@ -203,7 +212,8 @@ def build_wheel(build: Exllamav3Build, git_url: str, source_dir: str, script: st
     """Step 2: no wheel of this stack anywhere: build it on the box from the pinned ref, for
     this card's arch only (`script`, files/build_exllamav3.sh), leaving it with its sidecar."""
     stack = box_stack(build, box, cuda)
-    if stack.installed or stack.on_box or wheel_cache.has_entry(stack.entry, stack.wheel):
+    if stack.installed or stack.on_box or wheel_cache.trusted_entry(stack.entry, stack.wheel,
+                                                                     build.builders):
         host.noop(f"exllamav3 stack {stack.id}: nothing to build")
         return
     env = {"GIT_URL": git_url, "REF": build.ref, "SRC": source_dir, "VENV": build.venv_dir,
@@ -214,11 +224,28 @@ def build_wheel(build: Exllamav3Build, git_url: str, source_dir: str, script: st
     yield f"env {assignments} sh {q(script)}"
 
 
+def pip_install_wheel(venv_dir: str, version: str, wheel: str) -> str:
+    """Shell, in the wheel's folder, as root: pip lays out the wheel `wheel` (exllamav3
+    `version`) in the venv, isolated (-I), from that file only (no index, no dependencies,
+    binary only: nothing is built or run); then refuses a .pth among the files it installed
+    (their RECORD)."""
+    record = f"{venv_dir}/lib/python3*/site-packages/exllamav3-{version}.dist-info/RECORD"
+    return (f"{q(f'{venv_dir}/bin/python')} -I -m pip install -q --no-deps --no-index "
+            f"--only-binary=:all: --force-reinstall ./{q(wheel)} && "
+            f"if grep -q '[.]pth,' {shell_glob(record)}; then "
+            f"echo {q(f'{wheel} installed a .pth file: refused')} >&2; exit 1; fi")
+
+
 @operation(**WHEEL_FACTS)
 def install_wheel(build: Exllamav3Build, service_user: str, box: dict, cuda: dict):
     """Step 3: the box's wheel of this stack, checked against its sidecar, installed, imported
     as the service user, and the stack's key written to the stamp (removed first, so a failed
-    install is retried)."""
+    install is retried).
+
+    pip runs as root (the venv is root's): `python -I` (no PYTHONPATH, no user site, not the
+    working folder), installing this one file only (no index, no dependencies, binary only:
+    nothing is built or run); what it imports is the root-owned venv's. The installed files
+    (their RECORD) must carry no .pth, which the venv's Python would run at every start."""
     stack = box_stack(build, box, cuda)
     if stack.installed:
         host.noop(f"exllamav3 installed for stack {stack.id}")
@@ -231,8 +258,8 @@ def install_wheel(build: Exllamav3Build, service_user: str, box: dict, cuda: dic
     yield (f"cd {q(stack.remote_dir)} && if ! sha256sum -c --quiet {q_wheel}.sha256; then "
            f"echo {q(f'{stack.remote_wheel} fails its sha256: not installed')} >&2; "
            f"rm -f {q_wheel} {q_wheel}.sha256; exit 1; fi && rm -f {q_stamp} && "
-           f"{q(f'{build.venv_dir}/bin/pip')} install -q --no-deps --force-reinstall "
-           f"{q_wheel} && runuser -u {q(service_user)} -- env -i PATH=/usr/bin:/bin "
+           f"{pip_install_wheel(build.venv_dir, build.version, stack.wheel)} && "
+           f"cd / && runuser -u {q(service_user)} -- env -i PATH=/usr/bin:/bin "
            f"HOME=/tmp {python} -c {q(check)} && "
            f"mkdir -p {q(str(Path(build.stamp).parent))} && "
            f"printf '%s\\n' {q(stack.key)} > {q(build.stamp + '.tmp')} && "
@@ -241,14 +268,20 @@ def install_wheel(build: Exllamav3Build, service_user: str, box: dict, cuda: dic
 
 @operation(**WHEEL_FACTS)
 def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
-    """Step 4: a wheel built on this box, copied back to the operator's cache when the cache
-    lacks it; it enters the cache only if it matches its sidecar. (A converged box's step only
-    looks for the entry: hashing a wheel of tens of MB on every run, for every box, is waste.)
-    In change detection before a build, the build's wheel counts as on the box. Each box
-    downloads under its own temporary names; the first whole copy of a stack becomes the entry
-    and a failure to cache stops this box only, with one line (wheel_cache.commit_entry)."""
+    """Step 4: a wheel built on this box, copied back to the operator's cache when this box is
+    a cache builder and the cache lacks a builder's wheel of its stack; it enters the cache
+    only if it matches its sidecar and holds exllamav3 only (wheel_cache.check_wheel). (A
+    converged box's step only looks for the entry: hashing a wheel of tens of MB on every run,
+    for every box, is waste.) In change detection before a build, the build's wheel counts as
+    on the box. Each builder downloads under its own temporary names; the first whole copy of a
+    stack becomes the entry and a failure to cache stops this box only, with one line
+    (wheel_cache.commit_entry)."""
     stack = box_stack(build, box, cuda)
-    if wheel_cache.has_entry(stack.entry, stack.wheel):
+    if host.name not in build.builders:
+        host.noop(f"{host.name} is not a cache builder (cache_builder): its exllamav3 wheel "
+                  "stays on it")
+        return
+    if wheel_cache.trusted_entry(stack.entry, stack.wheel, build.builders):
         host.noop(f"exllamav3 stack {stack.id} is cached")
         return
     if stack.installed and not stack.on_box:
@@ -258,10 +291,11 @@ def copy_wheel_back(build: Exllamav3Build, box: dict, cuda: dict):
     tmp_wheel, tmp_sidecar = wheel_cache.download_names(wheel, host.name)
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
     yield wheel_cache.CappedDownload(stack.remote_wheel, f"{entry}/{tmp_wheel}",
-                                     wheel_cache.WHEEL_DOWNLOAD_MAX_BYTES)
+                                     wheel_cache.WHEEL_MAX_BYTES)
     yield wheel_cache.CappedDownload(f"{stack.remote_wheel}.sha256", f"{entry}/{tmp_sidecar}",
                                      wheel_cache.SIDECAR_MAX_BYTES)
-    yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key), {})
+    yield FunctionCommand(wheel_cache.commit_entry, (entry, wheel, stack.key, build.builders,
+                                                     wheel_cache.WheelCheck(build.version)), {})
 
 
 @operation(modules=lambda op: need(CaddyModules))

@@ -150,6 +150,7 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         tunnel_settings=settings.tunnel,
         tunnel_address=donor.tunnel_address,
         tunnel_public_key=donor.tunnel_public_key,
+        cache_builder=donor.cache_builder,
     )
 
 
@@ -294,6 +295,10 @@ def load_inventory(donors_path: Path | str | None = None,
         _refuse(where, box_ports.donor_port_problem(box))
         _one_box_per_address(seen_addresses, box, f"donor '{name}'", where)
         fleet[name] = box
+    # Every box knows the inventory's cache builders: their entries alone go to other boxes.
+    builders = sorted(name for name, box in fleet.items() if box.cache_builder)
+    fleet = {name: box.model_copy(update={"cache_builders": builders})
+             for name, box in fleet.items()}
     pools = _pools(fleet, donors_path)
     edges: dict[str, EdgeBox] = {}
     for name, entry in inventory.edges.items():

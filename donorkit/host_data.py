@@ -224,6 +224,10 @@ class DonorBox(_Login, Settings):
     # Who is root on it (schema.Donor.owner, resolved): a volunteer's box gets no operator secret
     # and builds no cache another box uses.
     owner: Literal["operator", "volunteer"] = "operator"
+    # schema.Donor.cache_builder; and the names of every cache builder of the inventory: only
+    # their cache entries go to other boxes (donorkit/wheel_cache.py).
+    cache_builder: bool = False
+    cache_builders: list[Name] = []
     tunnel_settings: TunnelSettings     # defaults.yml `tunnel`, merged
     tunnel_address: str | None = None   # a tunnelled donor's (its entry's, or derived)
     tunnel_public_key: str | None = None  # pasted by the operator; None: not joined

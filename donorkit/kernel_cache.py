@@ -28,13 +28,27 @@ git-ignored `engine_kernel_cache`):
     <cache>/<stack id>/kernels.tar, kernels.tar.sha256 (sha256sum output), stack.txt
 
 Entries are made as the exllamav3 wheel's are (donorkit.wheel_cache: each box downloads under
-its own temporary names, the sidecar is renamed in last under a lock, the first whole copy wins).
+its own temporary names, the sidecar is renamed in last under a lock, the first whole copy wins),
+and trusted as they are: only a cache builder (`cache_builder: true`, never a volunteer's box)
+copies its kernels back, and an entry goes to another box only while the box recorded in its
+`built-by` is a cache builder; other boxes' engines build their own on their first start. The
+kernels are code the engine loads (FlashInfer's .so, torch.compile's Python): what one box built
+runs on every box of its stack.
+
+An archive is checked on the operator's machine before it is stored and again before it is
+shipped (check_archive): regular files and folders only, under the caches above, no absolute
+path, no `..`, no setuid/setgid/sticky bit, bounded in size and count. On the box it is made
+and unpacked into the home by the service user (who can read and write only its own files
+there: no link it planted leads root anywhere), without the archive's owners or modes; into
+the venv's FlashInfer folder (root's) by root, without them either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -53,6 +67,13 @@ ARCHIVE = "kernels.tar"
 # Under the service user's home: what a first start leaves besides FlashInfer's kernels.
 HOME_CACHES = (".cache/vllm", ".triton/cache", ".nv/ComputeCache")
 FLASHINFER_BUILT = ".cache/flashinfer/*/*/cached_ops/*/*.so"
+# One FlashInfer kernel as the home holds it (version, arch, NAME/NAME.so): what is archived.
+FLASHINFER_KERNEL = re.compile(
+    r"\.cache/flashinfer/[\w.+-]+/[\w.+-]+/cached_ops/([\w.+-]+)/\1\.so", re.ASCII)
+# What an archive copied back may hold: the engine's caches of a first start, bounded (the
+# lent H200's, qwen unit: tens of MB of kernels, a few hundred MB of caches).
+ARCHIVE_MAX_BYTES = 16 << 30
+ARCHIVE_MAX_MEMBERS = 200_000
 # Relative to the venv: FlashInfer's package; its folder of precompiled kernels is data/aot.
 FLASHINFER_PACKAGE = "lib/python3*/site-packages/flashinfer"
 FLASHINFER_AOT = f"{FLASHINFER_PACKAGE}/data/aot"
@@ -74,8 +95,8 @@ class EngineKernels(FactBase):
         found = sections(output)
         built = [line for line in found.get("built", []) if line]
         # Only FlashInfer's own layout (NAME/NAME.so); the rest are the home's cache folders.
-        kernels = [p for p in built if p.endswith(".so")
-                   and PurePosixPath(p).stem == PurePosixPath(p).parent.name]
+        kernels = [p for p in built if FLASHINFER_KERNEL.fullmatch(p)
+                   and ".." not in PurePosixPath(p).parts]
         return {"stamp": first(found, "stamp"), "machine": first(found, "machine"),
                 "kernels": sorted(kernels),
                 "caches": [p for p in built if p in HOME_CACHES]}
@@ -98,6 +119,9 @@ class UnitKernels:
     stamp: str  # on the box: the key of the kernels given to this unit (or left to it to build)
     box_dir: str  # on the box: where an archive is made before it is copied back
     cache_dir: str  # on the operator's machine
+    # The inventory's cache builders (DonorBox.cache_builders): only they copy kernels back,
+    # and only their kernels go to other boxes.
+    builders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +183,53 @@ def kernel_stack(kernels: UnitKernels, box: dict, venv: dict, cuda: dict) -> Ker
                        entry=repo_path(kernels.cache_dir) / stack_id)
 
 
+def member_problem(member: tarfile.TarInfo) -> str | None:
+    """What is wrong with one member of a kernel archive (None: nothing)."""
+    name, said = member.name, wheel_cache.shown(member.name)
+    parts = name.rstrip("/").split("/")
+    if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        return f"{said}: not a plain relative path"
+    if not (member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.isdir()):
+        kind = ("a link" if member.issym() or member.islnk() else
+                "a device or fifo" if member.isdev() else "not a regular file or folder")
+        return f"{said}: {kind} (only files and folders)"
+    if member.mode & 0o7000:
+        return f"{said}: setuid/setgid/sticky bits (mode {member.mode:o})"
+    if not (any(name == cache or name.startswith(f"{cache}/") for cache in HOME_CACHES)
+            or (member.isfile() and FLASHINFER_KERNEL.fullmatch(name))):
+        return f"{said}: outside the engine's caches ({', '.join(HOME_CACHES)}, FlashInfer's)"
+    return None
+
+
+def check_archive(path: Path, name: str | None = None) -> None:
+    """Refuse (WheelCacheError, one line naming the file) a kernel archive holding anything but
+    the engine's caches (member_problem), or too much. Headers only: nothing is unpacked."""
+    problem = None
+    try:
+        with tarfile.open(path, "r:") as archive:
+            count = size = 0
+            for member in archive:
+                count, size = count + 1, size + member.size
+                problem = member_problem(member) or (
+                    f"more than {ARCHIVE_MAX_MEMBERS} members" if count > ARCHIVE_MAX_MEMBERS
+                    else f"more than {ARCHIVE_MAX_BYTES >> 30} GiB"
+                    if size > ARCHIVE_MAX_BYTES else None)
+                if problem:
+                    break
+    except (tarfile.TarError, OSError, UnicodeError) as exc:
+        problem = f"not a readable tar archive ({wheel_cache.shown(str(exc))})"
+    if problem:
+        raise wheel_cache.WheelCacheError(f"{name or path.name}: {problem}: refused")
+
+
+@dataclass(frozen=True)
+class ArchiveCheck:
+    """check_archive as the cache's `check` (a plain repr)."""
+
+    def __call__(self, path: Path, name: str | None = None) -> None:
+        check_archive(path, name)
+
+
 def stamp_command(kernels: UnitKernels, key: str) -> str:
     stamp = q(kernels.stamp)
     return (f"mkdir -p {q(str(Path(kernels.stamp).parent))} && "
@@ -167,23 +238,31 @@ def stamp_command(kernels: UnitKernels, key: str) -> str:
 
 @operation(**KERNEL_FACTS)
 def ship_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
-    """Before the unit starts: the kernels of its stack, when the operator's cache has them,
-    unpacked into the venv's FlashInfer folder of precompiled kernels and the service user's
-    home (the archive checked on the box against the cache's sha256 first). The stamp then
-    records the stack; with no cached kernels it records it too, and the engine builds its own
-    on its first start (they are copied back after it, keep_kernels)."""
+    """Before the unit starts: the kernels of its stack, when the operator's cache has them
+    from a cache builder, unpacked into the venv's FlashInfer folder of precompiled kernels and
+    the service user's home (the archive checked here, check_archive, and on the box against
+    the cache's sha256 first). The stamp then records the stack; with no such kernels it records
+    it too, and the engine builds its own on its first start (copied back after it when this
+    box is a cache builder, keep_kernels)."""
     stack = kernel_stack(kernels, box, venv, cuda)
     if box["stamp"] == stack.key:
         host.noop(f"kernels of {kernels.unit} (stack {stack.id}) settled")
         return
-    try:
-        cached = wheel_cache.cached_wheel(stack.entry, ARCHIVE)
-    except wheel_cache.WheelCacheError as exc:
-        fail(str(exc))
-    if not cached:  # the first box of this stack: its engine builds them on its first start
+    if not wheel_cache.has_entry(stack.entry, ARCHIVE):
+        # The first box of this stack: its engine builds them on its first start.
         yield stamp_command(kernels, stack.key)
         return
-    path, sha = cached
+    distrusted = wheel_cache.distrusted(stack.entry, kernels.builders)
+    if distrusted:
+        host.noop(f"the cached kernels of stack {stack.id} {distrusted}: not shipped, the "
+                  f"engine of {kernels.unit} builds its own")
+        yield stamp_command(kernels, stack.key)
+        return
+    try:
+        path, sha = wheel_cache.cached_wheel(stack.entry, ARCHIVE)
+        check_archive(path)
+    except wheel_cache.WheelCacheError as exc:
+        fail(str(exc))
     remote = f"{kernels.box_dir}/{stack.id}.tar"
     home, user = q(kernels.home), q(kernels.service_user)
     package = shell_glob(f"{kernels.venv_dir}/{FLASHINFER_PACKAGE}")
@@ -193,27 +272,37 @@ def ship_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
            f"rm -f {q(remote)}.part; "
            f"echo {q(f'uploaded kernels of stack {stack.id} do not match the cache sha256 {sha}: not used')} >&2; "  # noqa: E501
            "exit 1; fi")
-    # --no-same-owner: the archive's owners are another box's ids.
-    yield (f"tar -C {home} --no-same-owner -xf {q(remote)}.part "
-           f"--exclude=.cache/flashinfer && "
-           f"for d in {' '.join(map(q, HOME_CACHES))}; do [ ! -e {home}/\"$d\" ] || "
-           f"{{ chown -R {user}: {home}/\"$d\" && chown {user}: {home}/\"${{d%/*}}\"; }} "
-           "|| exit 1; done")
+    # The home's part by the service user (root opens the archive, the user's tar reads it on
+    # stdin): it writes only where that user may, follows no link of the user's as root, and
+    # owns what it makes (no chown). Neither tar keeps the archive's owners or modes.
+    yield (f"cd / && runuser -u {user} -- tar -C {home} --no-same-owner "
+           f"--no-same-permissions -xf - --exclude=.cache/flashinfer < {q(remote)}.part")
+    # FlashInfer's folder is in the venv, root's (the service user must not write there); its
+    # kernels readable by the engine, as the rest of the venv (built under the unit's UMask 0077,
+    # they come as 0600/0700).
     yield (f"for package in {package}; do [ -d \"$package\" ] || continue; "
            "mkdir -p \"$package/data/aot\" && "
-           f"tar -C \"$package/data/aot\" --no-same-owner -xf {q(remote)}.part --wildcards "
+           f"tar -C \"$package/data/aot\" --no-same-owner --no-same-permissions "
+           f"-xf {q(remote)}.part --wildcards "
            "--transform 's,^\\.cache/flashinfer/[^/]*/[^/]*/cached_ops/,,' "
-           f"'.cache/flashinfer/*' || exit 1; done")
+           "'.cache/flashinfer/*' && chmod -R u=rwX,go=rX \"$package/data/aot\" "
+           "|| exit 1; done")
     yield f"rm -f {q(remote)}.part && {stamp_command(kernels, stack.key)}"
 
 
 @operation(**KERNEL_FACTS)
 def keep_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
-    """After the unit is ready: the kernels and caches its engine built, archived on the box and
-    copied back to the operator's cache when the cache lacks this stack (the first whole copy of
-    a stack becomes the entry; a failure to cache stops this box only, with one line)."""
+    """After the unit is ready, on a cache builder: the kernels and caches its engine built,
+    archived on the box (by the service user: only what it may read) and copied back to the
+    operator's cache when the cache lacks a builder's entry of this stack (the first whole copy
+    of a stack becomes the entry, if check_archive passes; a failure to cache stops this box
+    only, with one line)."""
     stack = kernel_stack(kernels, box, venv, cuda)
-    if wheel_cache.has_entry(stack.entry, ARCHIVE):
+    if host.name not in kernels.builders:
+        host.noop(f"{host.name} is not a cache builder (cache_builder): what the engine of "
+                  f"{kernels.unit} built stays on it")
+        return
+    if wheel_cache.trusted_entry(stack.entry, ARCHIVE, kernels.builders):
         host.noop(f"kernels of stack {stack.id} are cached")
         return
     if not box["kernels"]:
@@ -223,13 +312,15 @@ def keep_kernels(kernels: UnitKernels, box: dict, venv: dict, cuda: dict):
     remote = f"{remote_dir}/{ARCHIVE}"
     tmp_archive, tmp_sidecar = wheel_cache.download_names(ARCHIVE, host.name)
     entry = str(stack.entry)
-    yield (f"mkdir -p {q(remote_dir)} && tar -C {q(kernels.home)} -cf {q(remote)} "
-           f"{' '.join(map(q, [*box['kernels'], *box['caches']]))} && "
+    yield (f"mkdir -p {q(remote_dir)} && cd / && runuser -u {q(kernels.service_user)} -- "
+           f"tar -C {q(kernels.home)} -cf - "
+           f"{' '.join(map(q, [*box['kernels'], *box['caches']]))} > {q(remote)} && "
            f"cd {q(remote_dir)} && sha256sum {ARCHIVE} > {ARCHIVE}.sha256")
     yield FunctionCommand(wheel_cache.prepare_entry, (entry,), {})
     yield wheel_cache.CappedDownload(remote, f"{entry}/{tmp_archive}",
-                                     wheel_cache.KERNELS_DOWNLOAD_MAX_BYTES)
+                                     ARCHIVE_MAX_BYTES)
     yield wheel_cache.CappedDownload(f"{remote}.sha256", f"{entry}/{tmp_sidecar}",
                                      wheel_cache.SIDECAR_MAX_BYTES)
-    yield FunctionCommand(wheel_cache.commit_entry, (entry, ARCHIVE, stack.key), {})
+    yield FunctionCommand(wheel_cache.commit_entry, (entry, ARCHIVE, stack.key,
+                                                     kernels.builders, ArchiveCheck()), {})
     yield f"rm -rf {q(remote_dir)}"

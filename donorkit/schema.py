@@ -276,6 +276,10 @@ class Donor(Strict):
     # the caches other boxes use; a `volunteer`'s box gets neither. None: operator for
     # reach: direct, volunteer for reach: tunnel (a home box is its owner's).
     owner: Literal["operator", "volunteer"] | None = None
+    # Whether what this box builds (exllamav3's wheel, the engine's kernels) is copied back to
+    # the operator's caches and shipped to the other boxes of its stack, where it runs as root
+    # and in every engine: only a box the operator controls (refused on a volunteer's).
+    cache_builder: bool = False
 
 
 class Edge(Strict):
@@ -337,6 +341,12 @@ def check_driver_minimums(defaults: Defaults, cards: list[str]) -> tuple[str, st
     return None
 
 
+def resolved_owner(donor: Donor) -> str:
+    """Who controls the box: its `owner`, else operator for reach: direct, volunteer for
+    reach: tunnel."""
+    return donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator")
+
+
 def check_box(defaults: Defaults, donor: Donor) -> tuple[str, str] | None:
     """Cross-checks of one box once merged: (field, problem), or None when it is sound."""
     if donor.reach == "direct" and donor.ssh_host is None:
@@ -349,6 +359,9 @@ def check_box(defaults: Defaults, donor: Donor) -> tuple[str, str] | None:
         for field in ("tunnel_address", "tunnel_public_key"):
             if getattr(donor, field) is not None:
                 return field, "only for a donor with reach: tunnel"
+    if donor.cache_builder and resolved_owner(donor) == "volunteer":
+        return "cache_builder", ("a volunteer's box (owner: volunteer, the default for reach: "
+                                 "tunnel) builds no cache another box uses")
     if defaults.service_user == donor.ssh_user:
         return "service_user", (f"'{donor.ssh_user}' is also this box's ssh_user: the deploy "
                                 "would set the login user's shell to nologin")

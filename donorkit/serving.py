@@ -43,8 +43,10 @@ class WeightsComplete(FactBase):
 
     def command(self, python: str, script: str, repo: str, revision: str, cache_dir: str,
                 manifests: str) -> str:
-        # -S: no site-packages (the check is the standard library's only): a quicker start.
-        return (f"[ -x {q(python)} ] && [ -f {q(script)} ] && {q(python)} -S {q(script)} --check "
+        # As root: -S, no site-packages (the check is the standard library's only), -I, nothing
+        # from the environment, the user's site or the working folder.
+        return (f"[ -x {q(python)} ] && [ -f {q(script)} ] && {q(python)} -I -S {q(script)} "
+                "--check "
                 f"--repo {q(repo)} --revision {q(revision)} --cache-dir {q(cache_dir)} "
                 f"--manifest-dir {q(manifests)} 2>/dev/null || true")
 
@@ -117,10 +119,12 @@ def model_weights(model: str, repo: str, revision: str | None, python: str, scri
 def ready_gate(unit: str, port: int, checkpoint: str, python: str, script: str,
                timeout: float, journal_lines: int, listed: list[str] | None):
     """After a (re)start, or whenever the model is not listed: wait until it is, or fail with
-    the unit's journal."""
+    the unit's journal. The gate runs as root: `python` is the system's interpreter, run with
+    -I -S (nothing from the environment, a user's site, the working folder or site-packages)."""
     if listed and checkpoint in listed:
         host.noop(f"{unit} lists {checkpoint}")
         return
     yield FunctionCommand(_streamed, (
-        f"{q(python)} {q(script)} --unit {q(unit)} --port {int(port)} --model {q(checkpoint)} "
-        f"--timeout {float(timeout):g} --journal-lines {int(journal_lines)}",), {})
+        f"{q(python)} -I -S {q(script)} --unit {q(unit)} --port {int(port)} "
+        f"--model {q(checkpoint)} --timeout {float(timeout):g} "
+        f"--journal-lines {int(journal_lines)}",), {})

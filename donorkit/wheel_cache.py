@@ -11,6 +11,17 @@ Cache layout (on the operator's machine, under the git-ignored `exllamav3_wheel_
     <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl
     <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl.sha256
     <cache>/exllamav3/<stack id>/stack.txt          (the stack key, for people)
+    <cache>/exllamav3/<stack id>/built-by           (the box it came from: its inventory name)
+
+Only a box the operator marks `cache_builder: true` in the inventory (never a volunteer's: the
+schema refuses it) copies a wheel back, and an entry goes to another box only while the box
+that `built-by` names (written here, on the operator's machine, never by the box) is a cache
+builder: a box reports the facts its stack is keyed by, so any box could claim any stack, and
+what one box built would run as root on the others. An entry without that record (older runs)
+or from a box that is no longer a builder is not shipped: the box builds its own, and a
+builder's copy replaces the entry. A wheel is checked here before it is stored and again before
+it is shipped (check_wheel: only exllamav3's package, its extension and its .dist-info, no
+.pth, RECORD's hashes right, bounded in size).
 
 The sidecar is `sha256sum` output; it is checked before an upload (here) and after it (on the
 box, before pip sees the file). Entries are only ever created by rename, sidecar last, under a
@@ -21,10 +32,18 @@ and the first whole copy becomes the entry.
 
 from __future__ import annotations
 
+import base64
+import csv
 import fcntl
 import hashlib
+import io
 import os
+import re
 import shlex
+import stat
+import zipfile
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyinfra.api import FactBase, FileDownloadCommand
@@ -36,6 +55,15 @@ from pyinfra_declared.batched_facts import first, sections
 
 class WheelCacheError(Exception):
     """A cached wheel that must not be used; the message names the file."""
+
+
+# The entry's builder: the inventory name of the box it was copied back from.
+BUILT_BY = "built-by"
+# What a wheel copied back may hold, unpacked: exllamav3 1.5.1's for one arch is tens of MB.
+WHEEL_MAX_BYTES = 2 << 30
+WHEEL_MAX_FILES = 20_000
+# The compiled extension, beside the package (setup.py: CUDAExtension("exllamav3_ext", ...)).
+EXTENSION = re.compile(r"exllamav3_ext\.[A-Za-z0-9_.-]+\.so")
 
 
 class Exllamav3Stack(FactBase):
@@ -101,9 +129,9 @@ def wheel_name(version: str, abi: str, machine: str) -> str:
     return f"exllamav3-{version}-{abi}-{abi}-linux_{machine}.whl"
 
 
-# The most a copy-back may be, in bytes: a sidecar (one sha256sum line), an exllamav3 wheel (tens
-# of MB for one arch), a stack's kernel archive (FlashInfer's kernels and the compile caches).
-SIDECAR_MAX_BYTES, WHEEL_DOWNLOAD_MAX_BYTES, KERNELS_DOWNLOAD_MAX_BYTES = 4096, 2 << 30, 16 << 30
+# The most a sidecar copied back may be (one sha256sum line); a wheel's is WHEEL_MAX_BYTES, a
+# kernel archive's kernel_cache.ARCHIVE_MAX_BYTES: what the checks accept is what is copied.
+SIDECAR_MAX_BYTES = 4096
 
 
 class CappedDownload(FileDownloadCommand):
@@ -168,7 +196,8 @@ def file_sha256(path: Path) -> str:
 
 def sidecar_sha256(sidecar: Path, wheel: str) -> str:
     """The digest a `sha256sum` sidecar records for `wheel`."""
-    fields = sidecar.read_text().split()
+    with sidecar.open("rb") as stream:  # a line; the box may have sent anything
+        fields = stream.read(4096).decode("utf-8", "replace").split()
     if len(fields) != 2 or fields[1].lstrip("*") != wheel or len(fields[0]) != 64:
         raise WheelCacheError(f"{sidecar}: not a sha256sum line for {wheel}")
     return fields[0]
@@ -194,6 +223,112 @@ def cached_wheel(entry_dir: Path, wheel: str) -> tuple[Path, str] | None:
     return path, want
 
 
+def entry_builder(entry_dir: Path) -> str | None:
+    """The box an entry came from, as recorded on the operator's machine; None: unrecorded."""
+    try:
+        with (entry_dir / BUILT_BY).open("rb") as stream:
+            return stream.read(256).decode("ascii", "replace").strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def distrusted(entry_dir: Path, builders: Collection[str]) -> str | None:
+    """Why a complete entry must not go to another box (None: it may): it was not copied back
+    from a box that is a cache builder now."""
+    builder = entry_builder(entry_dir)
+    if builder is None:
+        return "has no record of the box that built it (an older run's)"
+    if builder not in builders:
+        return f"was built by '{builder[:64]}', which is not a cache builder (cache_builder: true)"
+    return None
+
+
+def trusted_entry(entry_dir: Path, wheel: str, builders: Collection[str]) -> bool:
+    """A complete entry from a current cache builder (not read beyond its record)."""
+    return has_entry(entry_dir, wheel) and distrusted(entry_dir, builders) is None
+
+
+PLAIN_NAME = re.compile(r"[\w./+@=,-]{1,200}", re.ASCII)
+
+
+def shown(name: str) -> str:
+    """A file name from a box's archive, for one line on the operator's terminal: as it is when
+    plain, else escaped (no control character reaches the terminal) and cut to 200 characters."""
+    return name if PLAIN_NAME.fullmatch(name) else ascii(name[:200])
+
+
+def _wheel_problem(archive: zipfile.ZipFile, dist_info: str) -> str | None:
+    infos = archive.infolist()
+    if len(infos) > WHEEL_MAX_FILES:
+        return f"{len(infos)} files (at most {WHEEL_MAX_FILES})"
+    if sum(info.file_size for info in infos) > WHEEL_MAX_BYTES:
+        return f"unpacks to more than {WHEEL_MAX_BYTES >> 20} MiB"
+    names = [info.filename for info in infos]
+    if len(set(names)) != len(names):
+        return "a file is in it twice"
+    for info in infos:
+        name, mode = info.filename, info.external_attr >> 16
+        said = shown(name)
+        parts = name.rstrip("/").split("/")
+        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+            return f"{said}: not a plain relative path"
+        if stat.S_ISLNK(mode) or mode & 0o7000:
+            return f"{said}: a link or setuid/setgid/sticky bits (mode {mode:o})"
+        if name.endswith(".pth"):
+            return f"{said}: a .pth file (Python runs it at every start)"
+        if name == f"{dist_info}entry_points.txt":
+            return f"{said}: entry points (scripts in the venv's bin, on the units' PATH)"
+        if not (name.startswith(("exllamav3/", dist_info)) or EXTENSION.fullmatch(name)):
+            return f"{said}: outside the exllamav3 package, its extension and {dist_info}"
+    record_name = f"{dist_info}RECORD"
+    if record_name not in names:
+        return f"no {record_name}"
+    record: dict[str, str] = {}
+    for row in csv.reader(io.StringIO(archive.read(record_name).decode("utf-8"))):
+        if row and row[0] != record_name:
+            if len(row) < 2 or not row[1].startswith("sha256="):
+                return f"RECORD has no sha256 for {shown(row[0])}"
+            record[row[0]] = row[1].removeprefix("sha256=")
+    files = [n for n in names if not n.endswith("/") and n != record_name]
+    if sorted(files) != sorted(record):
+        extra = sorted(set(files) ^ set(record))[:3]
+        return f"RECORD does not list exactly its files ({', '.join(map(shown, extra))})"
+    for name in files:
+        digest = hashlib.sha256()
+        with archive.open(name) as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
+        found = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+        if found != record[name]:
+            return f"{shown(name)} does not match its RECORD hash"
+    return None
+
+
+def check_wheel(path: Path, version: str, name: str | None = None) -> None:
+    """Refuse (WheelCacheError, one line naming the file) a wheel that holds more than exllamav3
+    `version` (its package, its compiled extension, its .dist-info without entry points): no
+    .pth, no other module, no scripts or data, no links; each file as RECORD hashes it; bounded
+    in size. Only what pip would lay out is read, nothing is run."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            problem = _wheel_problem(archive, f"exllamav3-{version}.dist-info/")
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
+        problem = f"not a readable wheel ({shown(str(exc))})"
+    if problem:
+        raise WheelCacheError(f"{name or path.name}: {problem}: refused")
+
+
+@dataclass(frozen=True)
+class WheelCheck:
+    """check_wheel for one exllamav3 version, as the cache's `check` (a plain repr: the
+    operation cases show it)."""
+
+    version: str
+
+    def __call__(self, path: Path, name: str | None = None) -> None:
+        check_wheel(path, self.version, name)
+
+
 def download_names(wheel: str, box: str) -> tuple[str, str]:
     """This box's temporary names, in the entry's directory, for the wheel and its sidecar it
     copies back: one pair per box (`box`: the inventory's host name, hashed into the name), so
@@ -202,30 +337,41 @@ def download_names(wheel: str, box: str) -> tuple[str, str]:
     return f".{wheel}.{tag}.download", f".{wheel}.{tag}.sha256.download"
 
 
-def commit_download(entry_dir: str, wheel: str, key: str, box: str) -> bool:
-    """Move `box`'s downloaded wheel and sidecar into the cache if they match; True when they
-    became the entry, False when an entry was already there (the first whole copy wins: boxes
-    of one stack that built in the same run made equally good wheels, each installed on its
-    own box). The wheel is renamed into place first and the sidecar last, under a lock, so
+def commit_download(entry_dir: str, wheel: str, key: str, box: str,
+                    builders: Collection[str], check: Callable[[Path, str], None]) -> bool:
+    """Move `box`'s downloaded wheel and sidecar into the cache if `box` is a cache builder
+    (one of `builders`), they match and `check` (the content's, raising WheelCacheError)
+    passes; True when they became the entry, False when a builder's entry was already there
+    (the first whole copy wins: builders of one stack that built in the same run made equally
+    good wheels, each installed on its own box). An entry from a box that is not a builder now
+    is replaced. The wheel is renamed into place first and the sidecar last, under a lock, so
     readers see a whole entry or none. This box's downloads are removed either way. Raises
-    WheelCacheError (or OSError) when the download does not match its sidecar."""
+    WheelCacheError (or OSError) when the download is refused."""
     entry = Path(entry_dir)
     names = download_names(wheel, box)
     tmp_wheel, tmp_sidecar = entry / names[0], entry / names[1]
     try:
+        if box not in builders:
+            raise WheelCacheError(f"{box} is not a cache builder (cache_builder: true): what "
+                                  "it built stays on it")
         want = sidecar_sha256(tmp_sidecar, wheel)
         found = file_sha256(tmp_wheel)
         if found != want:
             raise WheelCacheError(f"downloaded {wheel} has sha256 {found}, the box's sidecar "
                                   f"says {want}")
+        check(tmp_wheel, f"{wheel} copied back")
         with (entry.parent / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                if cached_wheel(entry, wheel):
+                if trusted_entry(entry, wheel, builders) and cached_wheel(entry, wheel):
                     return False
             except WheelCacheError:
                 pass  # a corrupt entry is replaced by this verified one
+            # An entry being replaced is incomplete (no sidecar) until the new one is whole.
+            (entry / f"{wheel}.sha256").unlink(missing_ok=True)
             (entry / "stack.txt").write_text(key + "\n")
+            (entry / f".{BUILT_BY}.tmp").write_text(box + "\n")
+            os.replace(entry / f".{BUILT_BY}.tmp", entry / BUILT_BY)
             os.replace(tmp_wheel, entry / wheel)
             os.replace(tmp_sidecar, entry / f"{wheel}.sha256")
             return True
@@ -256,10 +402,12 @@ def prepare_entry(state: object, host: object, entry_dir: str) -> bool:
     return True
 
 
-def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str) -> bool:
-    """FunctionCommand: this box's downloaded wheel into the cache (commit_download)."""
+def commit_entry(state: object, host: object, entry_dir: str, wheel: str, key: str,
+                 builders: Collection[str], check: Callable[[Path, str], None]) -> bool:
+    """FunctionCommand: this box's downloaded wheel (or archive: `check` says what it may hold)
+    into the cache (commit_download)."""
     try:
-        commit_download(entry_dir, wheel, key, host.name)
+        commit_download(entry_dir, wheel, key, host.name, builders, check)
     except WheelCacheError as exc:
         return _refuse(host, f"{exc}: not cached")
     except OSError as exc:

@@ -6,8 +6,14 @@ it back to the wheel cache on the operator's machine (`exllamav3_wheel_cache`, g
 Every later box of that stack gets the cached wheel uploaded and installed `--no-deps`: no
 compiler runs. sha256 is checked before the upload and on the box before pip sees the file.
 
-Boxes of one stack deployed in the same run may each build (pyinfra runs hosts in parallel); the
-first wheel copied back is kept. Deploy one box first (`--limit`) to build once.
+Only a cache builder (`cache_builder: true` in the inventory; never a volunteer's box) copies its
+wheel back, and only a builder's wheel is shipped (it is installed as root and imported by every
+engine of the stack): other boxes build their own while the cache has no builder's wheel.
+Builders of one stack deployed in the same run may each build (pyinfra runs hosts in parallel);
+the first wheel copied back is kept. Deploy one builder first (`--limit`) to build once.
+
+The build runs as root, from the operator's pinned ref in root's folders with the root-owned
+venv's pip (files/build_exllamav3.sh): nothing it imports is the service user's or a cache's.
 """
 
 from pathlib import Path
@@ -54,6 +60,7 @@ def apply() -> None:
         stamp=box.exllamav3_stamp,
         box_dir=f"{root}/wheels",
         cache_dir=host.data.exllamav3_wheel_cache,
+        builders=tuple(box.cache_builders),
     )
     upload_cached_wheel(name="exllamav3: upload the cached wheel of this stack", build=build)
     build_wheel(name=f"exllamav3: build {build.ref} for arch {arch} (no cached wheel)", build=build,

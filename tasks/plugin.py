@@ -1,5 +1,6 @@
 """The vllm-exl3 plugin, from the operator's machine or a git ref, installed editable --no-deps;
-installed again when its source changed in this run."""
+installed again when its source changed in this run. As root, with the root-owned venv's pip,
+from root's folder (`vllm_exl3_plugin_dir`): the operator's source, never a box's."""
 
 from pyinfra import host
 from pyinfra.api import deploy

@@ -8,7 +8,8 @@ loopback port lists the checkpoint, or fails the box with the unit's journal.
 On a CUDA box each unit's engine kernels (donorkit/kernel_cache.py) are shipped from the
 operator's cache before the unit starts, when an earlier box of the same stack left them there,
 so this box's first start is a warm one; and once the unit is ready, what its first start built
-is copied back to the cache when the cache lacks that stack."""
+is copied back to the cache when the cache lacks that stack and this box is a cache builder
+(`cache_builder: true`; only a builder's kernels are shipped)."""
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -63,7 +64,8 @@ def apply() -> None:
                 venv_dir=box.venv_dir, cuda_home=box.cuda_home, home=box.service_home,
                 service_user=box.service_user,
                 stamp=f"{install_root}/state/{model.unit}.kernels",
-                box_dir=f"{install_root}/kernels", cache_dir=box.engine_kernel_cache)
+                box_dir=f"{install_root}/kernels", cache_dir=box.engine_kernel_cache,
+                builders=tuple(box.cache_builders))
             ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
         service_running_its_files(
@@ -75,7 +77,9 @@ def apply() -> None:
         ready_gate(
             name=f"Ready: {model.unit} lists {model.checkpoint}",
             unit=model.unit, port=model.port, checkpoint=model.checkpoint,
-            python=f"{host.data.venv_dir}/bin/python", script=gate,
+            # As root (it reads the unit's journal): the system's Python, isolated, no site
+            # (the gate is the standard library's only), never the venv's.
+            python=host.data.venv_python, script=gate,
             timeout=host.data.ready_timeout, journal_lines=host.data.ready_journal_lines,
         )
         if kernels:

@@ -412,6 +412,10 @@ def test_second_box_of_a_stack_gets_the_cached_wheel(hosts: dict[str, Host]) -> 
     assert "flashinfer/data/aot/standin_attention_" in started and "kernels built" not in started
     assert ssh(second, "stat -c %U /home/fox/.cache/vllm/torch_compile_cache").stdout.strip() \
         == "fox"
+    # Issue 32: each entry names the box it came from, a cache builder (written by the
+    # operator's machine, not by the box).
+    assert (wheels[0].parent / "built-by").read_text() == f"{GOOD}\n"
+    assert (kernels[0].parent / "built-by").read_text() == f"{GOOD}\n"
 
 
 def test_a_batch_of_boxes_of_one_stack_in_one_run(hosts: dict[str, Host]) -> None:
@@ -445,6 +449,8 @@ def test_a_batch_of_boxes_of_one_stack_in_one_run(hosts: dict[str, Host]) -> Non
     built = {name: ssh(hosts[name], f"sha256sum /opt/uncloseai/wheels/*/{wheels[0].name}"
                        ).stdout.split()[0] for name in batch}
     assert digest in built.values(), (digest, built)  # one box's wheel, whole
+    # ... and the entry names that box (both are cache builders: issue 32).
+    assert built[(wheels[0].parent / "built-by").read_text().strip()] == digest
     for name in batch:
         imported = ssh(hosts[name], "runuser -u fox -- /opt/uncloseai/vllm-venv/bin/python -c "
                                     "'import torch, exllamav3_ext; print(exllamav3_ext.__file__)'")

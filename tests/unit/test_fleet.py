@@ -260,3 +260,35 @@ def test_every_box_the_loader_makes_is_what_its_model_says(donors: str) -> None:
         assert checked.model_dump() == box.model_dump()
         assert {f: type(getattr(checked, f)) for f in type(box).model_fields} == \
             {f: type(getattr(box, f)) for f in type(box).model_fields}
+
+
+# Issue 32: what a cache builder builds runs as root on every box of its stack; a volunteer's
+# box is its owner's, so it is never one.
+
+def test_cache_builders_are_named_in_the_data_and_known_to_every_box(tmp_path: Path) -> None:
+    text = GOOD.replace("    card: rtx4090\n", "    card: rtx4090\n    cache_builder: true\n")
+    fleet = load_fleet(write(tmp_path, text))
+    assert (fleet["box-a"].cache_builder, fleet["box-b"].cache_builder) == (True, False)
+    assert fleet["box-a"].cache_builders == fleet["box-b"].cache_builders == ["box-a"]
+    assert fleet["box-b"].pyinfra_data()["cache_builders"] == ["box-a"]
+    assert load_fleet(write(tmp_path, GOOD))["box-a"].cache_builders == []  # none by default
+
+
+def test_a_volunteers_box_cannot_be_a_cache_builder(tmp_path: Path) -> None:
+    text = GOOD.replace("    card: rtx3090\n",
+                        "    card: rtx3090\n    owner: volunteer\n    cache_builder: true\n")
+    path = write(tmp_path, text)
+    with pytest.raises(FleetError) as raised:
+        load_fleet(path)
+    assert str(raised.value) == (
+        f"{path}: donor 'box-b': field 'cache_builder': a volunteer's box (owner: volunteer, "
+        "the default for reach: tunnel) builds no cache another box uses")
+    # A home box behind NAT is its owner's unless the operator says otherwise.
+    tunnel = (REPO_ROOT / "tests/testbed/donors-tunnel.yml").read_text().replace(
+        "    reach: tunnel\n", "    reach: tunnel\n    cache_builder: true\n", 1)
+    path = write(tmp_path, tunnel)
+    with pytest.raises(FleetError, match=r"donor 'tb-home': field 'cache_builder': a volunteer"):
+        load_fleet(path)
+    operators = tunnel.replace("    cache_builder: true\n",
+                               "    cache_builder: true\n    owner: operator\n", 1)
+    assert load_fleet(write(tmp_path, operators))["tb-home"].cache_builder is True

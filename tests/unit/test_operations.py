@@ -29,7 +29,8 @@ def test_operation(case: Path) -> None:
 @pytest.mark.parametrize("case", WHEEL_CASES, ids=[c.stem for c in WHEEL_CASES])
 def test_exllamav3_step(case: Path, step: str) -> None:
     spec = json.loads(case.read_text())
-    build = Exllamav3Build(**{**spec["build"], "patches": tuple(spec["build"]["patches"])})
+    build = Exllamav3Build(**{**spec["build"], "patches": tuple(spec["build"]["patches"]),
+                              "builders": tuple(spec["build"]["builders"])})
     args = {"build": build, **spec["args"].get(step, {})}
     commands, noops = plan(getattr(box_operations, step), args, spec["facts"])
     want = spec["steps"][step]

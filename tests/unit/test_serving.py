@@ -28,7 +28,7 @@ WEIGHTS = dict(model="qwen", repo="turboderp/Qwen3.8-27B-exl3", revision=REV,
                manifests="/home/fox/.cache/uncloseai/weights",
                endpoint="https://huggingface.co", token_file=None)
 GATE = dict(unit="vllm-qwen.service", port=18888, checkpoint="turboderp/Qwen3.8-27B-exl3",
-            python="/opt/uncloseai/vllm-venv/bin/python", script="/opt/uncloseai/bin/wait_ready.py",
+            python="python3", script="/opt/uncloseai/bin/wait_ready.py",
             timeout=1800, journal_lines=30)
 
 
@@ -79,8 +79,9 @@ def test_gate_is_no_command_when_the_model_is_listed():
     assert plan(ready_gate, **GATE, listed=["turboderp/Qwen3.8-27B-exl3"])[0] == []
     for listed in (None, [], ["other/model"]):
         [command], _ = plan(ready_gate, **GATE, listed=listed)
+        # Run as root: the system's Python, isolated and without site-packages (issue 32).
         assert shell_of(command) == (
-            "/opt/uncloseai/vllm-venv/bin/python /opt/uncloseai/bin/wait_ready.py "
+            "python3 -I -S /opt/uncloseai/bin/wait_ready.py "
             "--unit vllm-qwen.service --port 18888 --model turboderp/Qwen3.8-27B-exl3 "
             "--timeout 1800 --journal-lines 30")
 

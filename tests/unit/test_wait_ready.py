@@ -46,10 +46,11 @@ def serve(port: int, delay: float) -> subprocess.Popen:
 
 
 def gate(env, port: int, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(GATE), "--unit", "vllm-qwen.service", "--port",
-                           str(port), "--model", MODEL, "--timeout", str(timeout), "--interval",
-                           "0.2", "--report-every", "1"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    # As the deploy runs it (as root): isolated, no site-packages (tasks/units.py).
+    return subprocess.run([sys.executable, "-I", "-S", str(GATE), "--unit", "vllm-qwen.service",
+                           "--port", str(port), "--model", MODEL, "--timeout", str(timeout),
+                           "--interval", "0.2", "--report-every", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_gate_waits_out_the_load_delay(fake_systemd):

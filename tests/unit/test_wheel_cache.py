@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,18 +15,35 @@ import pytest
 from pyinfra.api import Config, FactBase, Inventory, State
 from pyinfra.api.host import Host
 
-from donorkit import wheel_cache
+from donorkit import box_operations, wheel_cache
 from donorkit.box_facts import CudaStack
 from donorkit.paths import REPO_ROOT
 from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
+from tests.unit import wheels
+from tests.unit.wheels import DIST_INFO, good_files, make_wheel
 
 WHEEL = "exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl"
+# The inventory's cache builders in these tests, and a content check that passes anything: the
+# entry mechanics below do not depend on the content (check_wheel has its own tests).
+BUILDERS = ("box-a", "box-b", "box-c", "box-d", "box-0", "box-1", "box-2", "box-3")
+
+
+def NO_CHECK(path: Path, name: str) -> None:
+    return None
+
+
+def commit(host: Host, entry: Path, key: str, check=NO_CHECK) -> bool:
+    """What copy_wheel_back's last step does for `host` (a cache builder here)."""
+    return wheel_cache.commit_entry(None, host, str(entry), WHEEL, key, BUILDERS, check)
 BOX = {"python": "3.12", "abi": "cp312", "torch": "2.11.0+cu130", "torch_cuda": "13.0",
        "nvcc": "13.0", "distro": "ubuntu2404", "machine": "x86_64", "installed": None}
 
 
-def put_entry(entry: Path, data: bytes, sidecar_data: bytes | None = None) -> Path:
+def put_entry(entry: Path, data: bytes, sidecar_data: bytes | None = None,
+              built_by: str | None = "box-a") -> Path:
     entry.mkdir(parents=True, exist_ok=True)
+    if built_by:
+        (entry / "built-by").write_text(built_by + "\n")
     (entry / WHEEL).write_bytes(data)
     digest = hashlib.sha256(data if sidecar_data is None else sidecar_data).hexdigest()
     (entry / f"{WHEEL}.sha256").write_text(f"{digest}  {WHEEL}\n")
@@ -79,10 +97,11 @@ def boxes() -> dict[str, Host]:
 def test_verified_download_becomes_an_entry(tmp_path: Path, boxes: dict[str, Host]) -> None:
     entry = tmp_path / "exllamav3" / "id"
     download(entry, b"built wheel")
-    assert wheel_cache.commit_entry(None, boxes["box-a"], str(entry), WHEEL, "the key") is True
+    assert commit(boxes["box-a"], entry, "the key") is True
     assert wheel_cache.cached_wheel(entry, WHEEL)[0].read_bytes() == b"built wheel"
     assert (entry / "stack.txt").read_text() == "the key\n"
-    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
+    assert sorted(p.name for p in entry.iterdir()) == \
+        ["built-by", WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
 def test_each_box_downloads_under_its_own_names() -> None:
@@ -100,16 +119,17 @@ def test_partial_download_fails_that_box_with_one_line(
     entry = tmp_path / "exllamav3" / "id"
     download(entry, b"built wh", sidecar_data=b"built wheel", box="box-a")
     download(entry, b"box b's wheel", box="box-b")
-    assert wheel_cache.commit_entry(None, boxes["box-a"], str(entry), WHEEL, "k") is False
+    assert commit(boxes["box-a"], entry, "k") is False
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert "box-a" in errors[0] and f"downloaded {WHEEL} has sha256" in errors[0]
     assert errors[0].endswith(": not cached")
     assert not any(r.exc_info for r in caplog.records)
     assert wheel_cache.cached_wheel(entry, WHEEL) is None  # nothing entered the cache
-    assert wheel_cache.commit_entry(None, boxes["box-b"], str(entry), WHEEL, "k") is True
+    assert commit(boxes["box-b"], entry, "k") is True
     assert (entry / WHEEL).read_bytes() == b"box b's wheel"
-    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
+    assert sorted(p.name for p in entry.iterdir()) == \
+        ["built-by", WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
 def test_a_missing_download_fails_that_box_with_one_line(
@@ -118,7 +138,7 @@ def test_a_missing_download_fails_that_box_with_one_line(
     now an OSError is one line for this host, not a traceback."""
     entry = tmp_path / "exllamav3" / "id"
     entry.mkdir(parents=True)
-    assert wheel_cache.commit_entry(None, boxes["box-c"], str(entry), WHEEL, "k") is False
+    assert commit(boxes["box-c"], entry, "k") is False
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "No such file or directory" in errors[0], errors
 
@@ -137,13 +157,13 @@ def test_second_build_of_a_stack_keeps_the_first_entry(tmp_path: Path,
     entry = tmp_path / "exllamav3" / "id"
     put_entry(entry, b"first box's wheel")
     download(entry, b"second box's wheel", box="box-b")
-    assert wheel_cache.commit_entry(None, boxes["box-b"], str(entry), WHEEL, "k") is True
+    assert commit(boxes["box-b"], entry, "k") is True
     assert (entry / WHEEL).read_bytes() == b"first box's wheel"
-    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256"]
+    assert sorted(p.name for p in entry.iterdir()) == ["built-by", WHEEL, f"{WHEEL}.sha256"]
 
 
 def _commit_in_a_process(entry: str, box: str) -> bool:
-    return wheel_cache.commit_download(entry, WHEEL, "k", box)
+    return wheel_cache.commit_download(entry, WHEEL, "k", box, BUILDERS, NO_CHECK)
 
 
 def test_boxes_committing_at_once_leave_one_whole_entry(tmp_path: Path) -> None:
@@ -159,7 +179,8 @@ def test_boxes_committing_at_once_leave_one_whole_entry(tmp_path: Path) -> None:
     assert won.count(True) == 1
     path, _ = wheel_cache.cached_wheel(entry, WHEEL)
     assert path.read_bytes() == wheels[list(wheels)[won.index(True)]]
-    assert sorted(p.name for p in entry.iterdir()) == [WHEEL, f"{WHEEL}.sha256", "stack.txt"]
+    assert sorted(p.name for p in entry.iterdir()) == \
+        ["built-by", WHEEL, f"{WHEEL}.sha256", "stack.txt"]
 
 
 def test_every_part_of_the_stack_changes_the_key() -> None:
@@ -284,3 +305,138 @@ def test_the_cxx20_patch_is_a_git_diff_with_its_reason() -> None:
     reason, diff = text.split("diff --git", 1)
     assert "PR #360" in reason and "C++17" in reason
     assert '+    "-std=c++20",' in diff and "a/setup.py" in diff
+
+
+# Issue 32: a wheel copied back runs as root on every box of its stack. Only a cache builder's
+# enters the cache; it holds exllamav3 and nothing else (checked here before it is stored, with
+# one line naming the file); pip on the box installs just that file and refuses a .pth.
+
+def put_download(entry: Path, wheel: Path, box: str) -> None:
+    data = wheel.read_bytes()
+    entry.mkdir(parents=True, exist_ok=True)
+    tmp_wheel, tmp_sidecar = wheel_cache.download_names(WHEEL, box)
+    (entry / tmp_wheel).write_bytes(data)
+    (entry / tmp_sidecar).write_text(f"{hashlib.sha256(data).hexdigest()}  {WHEEL}\n")
+
+
+HOSTILE_WHEELS = {
+    # name: (files, RECORD's view of them or None, modes or None, the refusal)
+    "a .pth beside the package": (
+        {**good_files(), "exllamav3-init.pth": b"import os; os.system('id > /tmp/owned')\n"},
+        None, None, "exllamav3-init.pth: a .pth file"),
+    "a .pth inside the package": (
+        {**good_files(), "exllamav3/x.pth": b"import os\n"}, None, None, "a .pth file"),
+    "a module outside the package": (
+        {**good_files(), "sitecustomize.py": b"import os\n"}, None, None,
+        "sitecustomize.py: outside the exllamav3 package"),
+    "a script in the wheel's data": (
+        {**good_files(), "exllamav3-1.5.1.data/scripts/ninja": b"#!/bin/sh\nid\n"}, None, None,
+        "outside the exllamav3 package"),
+    "entry points": (
+        {**good_files(), f"{DIST_INFO}/entry_points.txt": b"[console_scripts]\nnvcc = x:y\n"},
+        None, None, "entry_points.txt: entry points"),
+    "a RECORD that does not match": (
+        good_files(), {**good_files(), "exllamav3/__init__.py": b"what was built"}, None,
+        "exllamav3/__init__.py does not match its RECORD hash"),
+    "a file RECORD does not list": (
+        {**good_files(), "exllamav3/extra.py": b"x = 1\n"}, good_files(), None,
+        "RECORD does not list exactly its files (exllamav3/extra.py)"),
+    "a path out of the venv": (
+        {**good_files(), "exllamav3/../../../../etc/cron.d/x": b"* * * * * root id\n"}, None,
+        None, "not a plain relative path"),
+    "a name that clears the terminal": (
+        {**good_files(), "\x1b[2J\x1b]0;owned\x07": b""}, None, None,
+        "'\\x1b[2J\\x1b]0;owned\\x07': outside the exllamav3 package"),
+    "a setuid file": (
+        good_files(), None, {"exllamav3/__init__.py": 0o104755}, "setuid/setgid/sticky"),
+    "a symbolic link": (
+        good_files(), None, {"exllamav3/__init__.py": 0o120777}, "a link"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_WHEELS))
+def test_a_hostile_wheel_is_refused_before_it_is_stored(
+        case: str, tmp_path: Path, boxes: dict[str, Host],
+        caplog: pytest.LogCaptureFixture) -> None:
+    files, record, modes, refusal = HOSTILE_WHEELS[case]
+    wheel = make_wheel(tmp_path / WHEEL, files, record, modes)
+    with pytest.raises(WheelCacheError, match=re.escape(refusal)):
+        wheel_cache.check_wheel(wheel, "1.5.1")
+    entry = tmp_path / "cache/exllamav3/id"
+    put_download(entry, wheel, "box-a")
+    assert commit(boxes["box-a"], entry, "k", check=wheel_cache.WheelCheck("1.5.1")) is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0] and refusal in errors[0], errors
+    assert errors[0].endswith(": refused: not cached") and WHEEL in errors[0]
+    assert not any(r.exc_info for r in caplog.records)
+    assert list(entry.iterdir()) == []  # nothing stored, the downloads removed
+
+
+def test_a_good_wheel_is_stored_with_its_builder(tmp_path: Path,
+                                                 boxes: dict[str, Host]) -> None:
+    wheel = make_wheel(tmp_path / WHEEL, good_files())
+    wheel_cache.check_wheel(wheel, "1.5.1")
+    entry = tmp_path / "cache/exllamav3/id"
+    put_download(entry, wheel, "box-b")
+    assert commit(boxes["box-b"], entry, "k", check=wheel_cache.WheelCheck("1.5.1")) is True
+    assert (entry / "built-by").read_text() == "box-b\n"
+    assert wheel_cache.cached_wheel(entry, WHEEL)[0].read_bytes() == wheel.read_bytes()
+    assert wheel_cache.trusted_entry(entry, WHEEL, ["box-b"])
+    assert not wheel_cache.trusted_entry(entry, WHEEL, ["box-a"])  # no longer a builder
+
+
+def test_a_wheel_from_a_box_that_is_not_a_builder_is_not_stored(
+        tmp_path: Path, boxes: dict[str, Host], caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever reaches commit from a box that is not a cache builder (copy_wheel_back does not
+    even download it: tests/unit/operations/exllamav3/not_a_builder.json)."""
+    entry = tmp_path / "cache/exllamav3/id"
+    put_download(entry, make_wheel(tmp_path / WHEEL, good_files()), "box-z")
+    box_z = Inventory((["box-z"], {}))
+    State(box_z, Config())
+    assert wheel_cache.commit_entry(None, box_z.get_host("box-z"), str(entry), WHEEL, "k",
+                                    BUILDERS, wheel_cache.WheelCheck("1.5.1")) is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "box-z is not a cache builder" in errors[0], errors
+    assert list(entry.iterdir()) == []
+
+
+def test_an_entry_of_an_older_run_or_a_former_builder_is_replaced_by_a_builders(
+        tmp_path: Path, boxes: dict[str, Host]) -> None:
+    entry = tmp_path / "cache/exllamav3/id"
+    put_entry(entry, b"from before cache builders", built_by=None)
+    assert "no record of the box that built it" in wheel_cache.distrusted(entry, BUILDERS)
+    put_download(entry, make_wheel(tmp_path / WHEEL, good_files()), "box-c")
+    assert commit(boxes["box-c"], entry, "k", check=wheel_cache.WheelCheck("1.5.1")) is True
+    assert wheel_cache.distrusted(entry, BUILDERS) is None
+    assert (entry / WHEEL).read_bytes() == (tmp_path / WHEEL).read_bytes()
+    assert wheel_cache.distrusted(entry, ["box-a"]) == (
+        "was built by 'box-c', which is not a cache builder (cache_builder: true)")
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real venv (this machine's Python, its bundled pip): the box's venv for pip."""
+    path = tmp_path_factory.mktemp("box") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    return path
+
+
+def test_pip_on_the_box_installs_the_wheel_and_refuses_a_pth(venv: Path,
+                                                             tmp_path: Path) -> None:
+    """The install step's pip command (box_operations.pip_install_wheel) with the real pip: a
+    good wheel is laid out; a wheel carrying a .pth (had one got past the cache's check) is
+    refused, in one line, after pip installed it."""
+    site = next(venv.glob("lib/python3*/site-packages"))
+    # Named for this machine's Python, as the box's is for its own (pip checks the name's tags).
+    here = wheel_cache.wheel_name("1.5.1", f"cp{sys.version_info.major}{sys.version_info.minor}",
+                                  os.uname().machine)
+    command = box_operations.pip_install_wheel(str(venv), "1.5.1", here)
+    make_wheel(tmp_path / here, good_files())
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (site / "exllamav3/__init__.py").is_file() and (site / wheels.EXT).is_file()
+    assert [p.name for p in site.glob("*.pth") if p.name != "distutils-precedence.pth"] == []
+    make_wheel(tmp_path / here, {**good_files(), "exllamav3-init.pth": b"import os\n"})
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"{here} installed a .pth file: refused"
