@@ -226,6 +226,8 @@ class Settings(Strict):
     exllamav3_patches: list[LocalPath]
     exllamav3_wheel_cache: LocalPath
     engine_kernel_cache: LocalPath
+    kernel_prebuild_gib_per_job: Annotated[float, Field(gt=0, le=1024)]  # sizes MAX_JOBS
+    kernel_prebuild_reserve_gib: Annotated[float, Field(ge=0, le=1024)]  # kept free meanwhile
     vllm_exl3_plugin: PluginPath | PluginGit
     vllm_exl3_plugin_dir: AbsPath           # under install_root (check_paths)
     vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",

@@ -20,8 +20,9 @@ MemAvailable less `--reserve-gib`, over `--gib-per-job` (measured on the lent H2
 a job), at least 1, at most the CPU count. The target architecture is `--arch` (the card
 profile's), so no GPU is touched: this runs while the old engine still serves.
 
-Prints one JSON line: the jobs, each module (built now / already there) and the seconds. Exit 1
-with one line on stderr when a module does not build.
+Prints one JSON line: the jobs, each module (built now / already there) and the seconds; in a
+venv without torch or FlashInfer (the testbed's stand-in engine) it says so and builds nothing.
+Exit 1 with one line on stderr when the config cannot be read or a module does not build.
 """
 
 from __future__ import annotations
@@ -104,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MAX_JOBS"] = str(n)
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = args.arch  # read when FlashInfer is imported
     started = time.monotonic()
-    wanted = specs(head, q, kv, args.arch)
+    try:
+        wanted = specs(head, q, kv, args.arch)
+    except ImportError as exc:  # vLLM 0.26.0 pins flashinfer-python: a venv without is no engine's
+        print(json.dumps({"jobs": n, "modules": {}, "skipped": f"no FlashInfer in this venv "
+                          f"({exc.name}): nothing to build"}), flush=True)
+        return 0
     report = {"jobs": n, "head_dim": head, "q": q, "kv": kv, "arch": args.arch,
               "modules": {s.name: ("there" if s.is_aot or s.is_compiled else "to build")
                           for s in wanted}}
