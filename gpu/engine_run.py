@@ -21,7 +21,14 @@ Steps 1-3 and the shipped-kernels box are gpu/engine_box.py.
    change is dropping `--quantization exl3` from the qwen unit (the operator's vllm-exl3 plugin is
    not in this repository; the stand-in has plain weights). Not applied: the unit's sandbox and
    MemoryMax (no systemd here); the peak host memory is recorded against MemoryMax instead.
-   Runs (the third run, 2026-12-01 evening): qwen cold (empty JIT caches; the unit's MAX_JOBS,
+   Runs by default (the fifth run, 2026-12-03): prebuild (files/prebuild_kernels.py as the
+   deploy runs it before a first start: the service user, the unit's environment; its time and
+   peak host memory), cold (every cache empty but the prebuilt FlashInfer kernels), warm, and
+   no-autotune (as cold, plus --no-enable-flashinfer-autotune); after ready each run sends the
+   readiness gate's warm-up (files/wait_ready.py), times the first client request after it and
+   reads the prefix-cache counters of a repeated 7,000-token prompt. If the Qwen3.5 stand-in does
+   not start, its Qwen3-Next twin (gpu/tiny_checkpoints.py) runs cold instead.
+   Also (the third run, 2026-12-01 evening): qwen cold (empty JIT caches; the unit's MAX_JOBS,
    then 4, caps FlashInfer's ninja), qwen warm (a restart), then qwen as another box of the stack
    would start it: vLLM and FlashInfer reinstalled (new file times), every JIT cache emptied, the
    cold run's FlashInfer kernels (cached_ops/NAME/NAME.so) put into FlashInfer's own folder of
