@@ -74,7 +74,7 @@ from donorkit.values import (
 # vLLM 0.26.0 refuses this variable at engine start for a model with neither sliding-window nor
 # Mamba (linear-attention) layers, and when it is not a multiple of the scheduler block size
 # (vllm/v1/core/kv_cache_coordinator.py): it belongs to the model profiles whose checkpoint has
-# such layers, never to every unit.
+# such layers (a profile's `attention:` says which), never to every unit.
 RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 RETENTION_BLOCK = 16  # vLLM's default KV block size on CUDA (--block-size)
 
@@ -87,11 +87,48 @@ def _no_file_wide_retention(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _retention_multiple(env: dict[str, str]) -> dict[str, str]:
+def _flag(args: list[str], name: str) -> str | bool | None:
+    """What vllm serve's argparse makes of `name` in `args`: the last `--name V`/`--name=V`, or
+    True/False for a boolean `--name`/`--no-name`; None when absent."""
+    found: str | bool | None = None
+    bare = name.removeprefix("--")
+    for i, word in enumerate(args):
+        if word == name:
+            found = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") \
+                else True
+        elif word.startswith(name + "="):
+            found = word.split("=", 1)[1]
+        elif word == f"--no-{bare}":
+            found = False
+    return found
+
+
+def _retention_fits(env: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+    """The retention interval where vLLM 0.26.0 starts with it: a whole number of tokens, on a
+    sliding-window or hybrid profile, a multiple of the block (--block-size where the profile gives
+    one, else the default 16), and on a hybrid only with prefix caching on (off, vLLM's default for
+    hybrids, the scheduler's block is the whole max_model_len)."""
     value = env.get(RETENTION)
-    if value is not None and not (value.isdigit() and int(value) % RETENTION_BLOCK == 0):
+    if value is None:
+        return env
+    if not value.isdigit():
         raise ValueError(f"{RETENTION} must be a whole number of tokens, a multiple of the KV "
                          f"block size {RETENTION_BLOCK} (vLLM refuses it otherwise), not {value!r}")
+    attention = info.data.get("attention")
+    args = [str(a) for a in info.data.get("args") or []]
+    if attention == "full":
+        raise ValueError(f"{RETENTION} on a full-attention profile (attention: full): vLLM 0.26.0 "
+                         "refuses to start a model without sliding-window or Mamba layers with it")
+    block = _flag(args, "--block-size")
+    size = int(block) if isinstance(block, str) and block.isdigit() else RETENTION_BLOCK
+    if int(value) % size:
+        where = f"--block-size {size}" if block is not None else f"the KV block size {size}"
+        raise ValueError(f"{RETENTION} must be a whole number of tokens, a multiple of {where} "
+                         f"(vLLM refuses it otherwise), not {value!r}")
+    if attention == "hybrid" and _flag(args, "--enable-prefix-caching") is not True:
+        raise ValueError(f"{RETENTION} on a hybrid profile needs --enable-prefix-caching in its "
+                         "args: vLLM 0.26.0 leaves it off for hybrids, and then the scheduler's "
+                         "block is the whole max_model_len, a multiple of no such interval")
     return env
 
 
@@ -101,10 +138,19 @@ class Model(Strict):
     checkpoint: Checkpoint
     port: Port
     max_model_len: Annotated[int, Field(ge=1, le=2**24)]  # tokens (16M: past any model's)
+    # The checkpoint's attention layers: only `full` (every layer full attention), `sliding` (some
+    # sliding-window layers) or `hybrid` (Mamba/linear-attention layers beside attention) decide
+    # whether vLLM accepts the retention variable. Before `environment`: its check reads it.
+    attention: Literal["full", "sliding", "hybrid"] = "full"
     args: list[ModelArg]                    # vllm serve flags; never host/port/alias/config
-    environment: Annotated[dict[UnitEnvName, Text], AfterValidator(_retention_multiple)]
+    environment: dict[UnitEnvName, Text]
     revision: Commit | None = None          # the checkpoint's commit; None: not pinned yet
     gated: bool = False                     # needs hf_token_file: never on a volunteer's box
+
+    @field_validator("environment")
+    @classmethod
+    def _retention(cls, env: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        return _retention_fits(env, info)
 
 
 class PluginPath(Strict):
@@ -182,6 +228,8 @@ class Settings(Strict):
     exllamav3_patches: list[LocalPath]
     exllamav3_wheel_cache: LocalPath
     engine_kernel_cache: LocalPath
+    kernel_prebuild_gib_per_job: Annotated[float, Field(gt=0, le=1024)]  # sizes MAX_JOBS
+    kernel_prebuild_reserve_gib: Annotated[float, Field(ge=0, le=1024)]  # kept free meanwhile
     vllm_exl3_plugin: PluginPath | PluginGit
     vllm_exl3_plugin_dir: AbsPath           # under install_root (check_paths)
     vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",

@@ -7,11 +7,18 @@ the unit was (re)started, with the system python3 (stdlib only):
                   [--journal-lines N] [--interval SECONDS]
 
 Ready means `GET http://127.0.0.1:PORT/v1/models` lists MODEL (vLLM answers /health as soon as
-the process is up, long before the model is loaded). It prints the elapsed time while it waits and
-when the model is listed (exit 0). It gives up (exit 1) when the timeout passes, or at once when
+the process is up, long before the model is loaded), and then the model answers: the gate sends
+warm-up chat completions before the box goes back into its pools, because a cold vLLM compiles
+kernels during its first requests (Triton's, measured on the lent H200: the first requests
+waited ~97 s after the model was listed, docs/gpu.md): a short prompt, a long one (half the
+unit's --max-model-len in characters, at most 16,000), then --max-num-seqs short ones at once
+(the decode batch the unit allows); both numbers are read from the unit's ExecStart. It prints
+the elapsed time while it waits, when the model is listed and when the warm-up answered
+(exit 0). It gives up (exit 1) when the timeout passes, or at once when
 the unit has stopped or restarted since the gate began (a crash at start: Restart= would bring it
-back and the wait would only see the same crash again), with the unit's last journal lines, so the
-message carries the cause (an OOM, a missing nvcc, a bad flag), not just "timeout".
+back and the wait would only see the same crash again), or when a warm-up request is not answered
+(an engine that dies in its first request is not serving), with the unit's last journal lines, so
+the message carries the cause (an OOM, a missing nvcc, a bad flag), not just "timeout".
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 STATE_PROPS = ["ActiveState", "SubState", "NRestarts", "ExecMainPID", "Result",
                "ExecMainStatus", "InvocationID"]
@@ -57,6 +65,48 @@ def journal(unit: str, lines: int) -> str:
     out = subprocess.run(["journalctl", "--unit", unit, "--lines", str(lines), "--no-pager",
                           "--output", "short-iso", "--quiet"], capture_output=True, text=True)
     return (out.stdout or out.stderr).rstrip()
+
+
+def exec_start_option(unit: str, name: str, default: int) -> int:
+    """`name`'s value in the unit's ExecStart (systemd shows it as `{ path=... ; argv[]=WORDS ;
+    ... }`), or `default` when absent or not a number."""
+    out = subprocess.run(["systemctl", "show", "--property=ExecStart", unit], capture_output=True,
+                         text=True).stdout
+    words = out.split("argv[]=", 1)[1].split(" ;", 1)[0].split() if "argv[]=" in out else []
+    for i, word in enumerate(words[:-1]):
+        if word == name and words[i + 1].isdigit():
+            return int(words[i + 1])
+    return default
+
+
+def complete(port: int, model: str, prompt: str, max_tokens: int, timeout: float) -> str | None:
+    """One chat completion; None when it was answered, else why not."""
+    body = json.dumps({"model": model, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return None if json.load(r).get("choices") else "an answer without choices"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def warm_up(port: int, model: str, seqs: int, max_len: int, timeout: float) -> str | None:
+    """The warm-up requests (the module's docstring); None when every one was answered."""
+    long_prompt = " ".join(f"w{i}" for i in range(max(1, min(max_len // 2, 16000) // 7)))
+    steps = [[("Say hello.", 8)], [(long_prompt, 8)], [("Count to ten.", 16)] * max(1, seqs)]
+    deadline = time.monotonic() + timeout
+    for batch in steps:
+        left = [max(deadline - time.monotonic(), 1.0)] * len(batch)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            errors = [e for e in pool.map(complete, [port] * len(batch), [model] * len(batch),
+                                          [p for p, _ in batch], [m for _, m in batch], left) if e]
+        if errors:
+            return f"{len(errors)} of {len(batch)} warm-up request(s) failed: {errors[0]}"
+    return None
 
 
 def stopped_or_restarted(start: dict[str, str], now: dict[str, str]) -> str | None:
@@ -96,9 +146,19 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - began
         models = listed_models(args.port)
         if models is not None and args.model in models:
-            print(f"ready gate: {args.unit} ready after {elapsed:.1f} s "
-                  f"({args.model} listed)", flush=True)
-            return 0
+            print(f"ready gate: {args.unit} lists {args.model} after {elapsed:.1f} s; "
+                  "warming up", flush=True)
+            seqs = exec_start_option(args.unit, "--max-num-seqs", 1)
+            max_len = exec_start_option(args.unit, "--max-model-len", 4096)
+            why = warm_up(args.port, args.model, seqs, max_len,
+                          max(args.timeout - elapsed, 60.0))
+            if why is None:
+                print(f"ready gate: {args.unit} ready after {time.monotonic() - began:.1f} s "
+                      f"({args.model} listed and answered {seqs + 2} warm-up requests)",
+                      flush=True)
+                return 0
+            why = f"listed, but the warm-up was not answered: {why}"
+            break
         why = stopped_or_restarted(start, unit_state(args.unit))
         if why:
             break

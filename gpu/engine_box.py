@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import tarfile
@@ -123,9 +124,51 @@ def jit_caches(home: Path) -> list[Path]:
             if p.name != "huggingface" and p.exists()]
 
 
-def wipe_caches(home: Path) -> None:
+def wipe_caches(home: Path, keep_flashinfer: bool = False) -> None:
     for path in jit_caches(home):
-        shutil.rmtree(path, ignore_errors=True)
+        if not (keep_flashinfer and path.name == "flashinfer"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def jit_modules(home: Path) -> list[str]:
+    """FlashInfer's JIT kernels in the home (cached_ops/NAME/NAME.so)."""
+    return sorted(p.parent.name for p in (home / ".cache/flashinfer").glob(
+        "*/*/cached_ops/*/*.so"))
+
+
+def prebuild(venv: Path, home: Path, user: str, env: dict[str, str], argv: list[str],
+             commit: str, gib_per_job: str = "4", arch: str = "9.0") -> dict:
+    """files/prebuild_kernels.py as the deploy runs it before the unit starts: the service user,
+    the unit's environment, outside any cgroup of the engine; its time and peak host memory."""
+    from gpu.engine_checks import Monitor
+
+    script = venv.parent / "bin/prebuild_kernels.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).resolve().parent.parent / "files/prebuild_kernels.py", script)
+    script.chmod(0o755)
+    config = (home / ".cache/huggingface/hub" / f"models--{argv[2].replace('/', '--')}"
+              / "snapshots" / commit / "config.json")
+
+    def flag(name: str) -> str:
+        return argv[argv.index(name) + 1] if name in argv else "auto"
+    cmd = [str(venv / "bin/python"), str(script), "--config", str(config), "--dtype",
+           flag("--dtype"), "--kv-cache-dtype", flag("--kv-cache-dtype"), "--arch", arch,
+           "--gib-per-job", gib_per_job]
+    entry = pwd.getpwnam(user)
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**env, "HOME": str(home), "USER": user, "LOGNAME": user,
+                                      "LANG": "C.UTF-8"}, cwd=home, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, user=entry.pw_uid,
+                            group=entry.pw_gid, start_new_session=True)
+    monitor = Monitor(proc.pid)
+    monitor.start()
+    out, err = proc.communicate(timeout=1500)
+    monitor.stop = True
+    monitor.join(5)
+    return {"rc": proc.returncode, "seconds": round(time.monotonic() - started, 1),
+            "peak_host_gib": round(monitor.rss / 2**30, 2), "command": cmd,
+            "report": out.strip()[-1500:], "stderr": err.strip()[-1500:],
+            "modules_in_home": jit_modules(home)}
 
 
 def keep_caches(home: Path) -> dict:

@@ -4,13 +4,16 @@ completions, /metrics names, the hermes tool call, auto and forced)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 
 class Monitor(threading.Thread):
@@ -83,3 +86,56 @@ def serving_checks(base: str, model: str, name: str) -> dict:
         calls = json.loads(body)["choices"][0]["message"].get("tool_calls") if code == 200 else None
         checks["tool_forced"] = {"status": code, "tool_calls": calls or body[:300]}
     return checks
+
+
+def _gate():
+    """files/wait_ready.py, the deploy's readiness gate, as a module (its warm-up runs here)."""
+    path = Path(__file__).resolve().parent.parent / "files/wait_ready.py"
+    spec = importlib.util.spec_from_file_location("wait_ready", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gate_warm_up(port: int, model: str, argv: list[str], timeout: float = 600) -> dict:
+    """The readiness gate's warm-up, as the deploy sends it once the model is listed, timed."""
+    def option(name: str, default: int) -> int:
+        return int(argv[argv.index(name) + 1]) if name in argv else default
+    seqs, max_len = option("--max-num-seqs", 1), option("--max-model-len", 4096)
+    started = time.monotonic()
+    why = _gate().warm_up(port, model, seqs, max_len, timeout)
+    return {"seconds": round(time.monotonic() - started, 1), "failed": why,
+            "requests": seqs + 2}
+
+
+def first_request(base: str, model: str) -> dict:
+    """What the first client after ready pays: one chat completion, timed."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "What is a GPU?"}],
+            "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
+    started = time.monotonic()
+    code, _ = http("POST", f"{base}/v1/chat/completions", chat, timeout=600)
+    return {"status": code, "seconds": round(time.monotonic() - started, 2)}
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(
+        rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$", metrics, re.M))
+
+
+def prefix_cache(base: str, model: str, tokens: int = 7000) -> dict:
+    """The same long prompt twice (byte-level stand-in tokenizer: a character is a token):
+    vLLM's prefix-cache counters in /metrics before and after (full 1600-token blocks hit)."""
+    prompt = "".join(chr(97 + (i * 7) % 26) for i in range(tokens))
+    one = {"model": model, "prompt": prompt, "max_tokens": 4}
+    before = http("GET", f"{base}/metrics")[1]
+    codes, times = [], []
+    for _ in range(2):
+        started = time.monotonic()
+        codes.append(http("POST", f"{base}/v1/completions", one, timeout=300)[0])
+        times.append(round(time.monotonic() - started, 2))
+    after = http("GET", f"{base}/metrics")[1]
+    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+    return {"status": codes, "seconds": times, **{
+        n.split(":")[1]: _counter(after, n) - _counter(before, n) for n in names},
+        "lines": [ln for ln in after.splitlines() if "prefix_cache" in ln
+                  and not ln.startswith("#")][:8]}

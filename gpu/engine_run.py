@@ -21,7 +21,14 @@ Steps 1-3 and the shipped-kernels box are gpu/engine_box.py.
    change is dropping `--quantization exl3` from the qwen unit (the operator's vllm-exl3 plugin is
    not in this repository; the stand-in has plain weights). Not applied: the unit's sandbox and
    MemoryMax (no systemd here); the peak host memory is recorded against MemoryMax instead.
-   Runs (the third run, 2026-12-01 evening): qwen cold (empty JIT caches; the unit's MAX_JOBS,
+   Runs by default (the fifth run, 2026-12-03): prebuild (files/prebuild_kernels.py as the
+   deploy runs it before a first start: the service user, the unit's environment; its time and
+   peak host memory), cold (every cache empty but the prebuilt FlashInfer kernels), warm, and
+   no-autotune (as cold, plus --no-enable-flashinfer-autotune); after ready each run sends the
+   readiness gate's warm-up (files/wait_ready.py), times the first client request after it and
+   reads the prefix-cache counters of a repeated 7,000-token prompt. If the Qwen3.5 stand-in does
+   not start, its Qwen3-Next twin (gpu/tiny_checkpoints.py) runs cold instead.
+   Also (the third run, 2026-12-01 evening): qwen cold (empty JIT caches; the unit's MAX_JOBS,
    then 4, caps FlashInfer's ninja), qwen warm (a restart), then qwen as another box of the stack
    would start it: vLLM and FlashInfer reinstalled (new file times), every JIT cache emptied, the
    cold run's FlashInfer kernels (cached_ops/NAME/NAME.so) put into FlashInfer's own folder of
@@ -62,13 +69,22 @@ from gpu.engine_box import (
     driver_library,
     hub_cache,
     install,
+    jit_modules,
     keep_caches,
+    prebuild,
     service_user,
     shipped_kernels_box,
     toolkit,
     wipe_caches,
 )
-from gpu.engine_checks import Monitor, http, serving_checks
+from gpu.engine_checks import (
+    Monitor,
+    first_request,
+    gate_warm_up,
+    http,
+    prefix_cache,
+    serving_checks,
+)
 from gpu.engine_results import table
 
 CHUNKS, RESULTS, REPO = ROOT / "chunks", ROOT / "results", ROOT / "repo"
@@ -78,7 +94,6 @@ CARRY = HERE / ".gpu-engine" / "carry"
 UNITS = {"qwen": "render/h200-qwen/etc/systemd/system/vllm-qwen.service",
          "hermes": "render/h200-hermes/etc/systemd/system/vllm-hermes.service"}
 DONORS = {"qwen": "h200-qwen", "hermes": "h200-hermes"}
-RETENTION = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 READY_TIMEOUT = 600
 NEGATIVE_TIMEOUT = 420
 JIT_FAILURES = ("nvcc: not found", "Could not find nvcc", "cicc: command not found", "cicc",
@@ -128,7 +143,7 @@ def accept(venv: Path, name: str, port: int) -> dict:
     proc = subprocess.run([venv / "bin/python", "-m", "donorkit.accept", "--donors",
                            "gpu/engine.yml", "--limit", DONORS[name], "--via",
                            f"http://127.0.0.1:{port}", "--results", str(RESULTS / "accept")],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
     return {"rc": proc.returncode, "output": (proc.stdout + proc.stderr)[-1500:]}
 
 
@@ -172,9 +187,18 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
         # stopped (up to a minute later), and a run's device time may end first (it did).
         say(f"{name} {kind}: {result['outcome']} {result.get('start_to_ready_s', '')} "
             f"(peak host {monitor.rss / 2**30:.1f} GiB, GPU {monitor.gpu_mib} MiB so far)")
+        result["peak_host_gib_at_ready"] = round(monitor.rss / 2**30, 2)
         if result["outcome"] == "ready":
+            result["warm_up"] = gate_warm_up(port, checkpoint, argv)
+            say(f"{name} {kind}: the gate's warm-up {json.dumps(result['warm_up'])[:300]} "
+                f"(peak host {monitor.rss / 2**30:.1f} GiB so far)")
+            result["first_request"] = first_request(base, checkpoint)
+            say(f"{name} {kind}: first client request {json.dumps(result['first_request'])}")
             result["checks"] = serving_checks(base, checkpoint, name)
             say(f"{name} {kind}: checks {json.dumps(result['checks'])[:400]}")
+            if name == "qwen":
+                result["prefix_cache"] = prefix_cache(base, checkpoint)
+                say(f"{name} {kind}: prefix cache {json.dumps(result['prefix_cache'])[:400]}")
             if kind == "warm":
                 result["accept"] = accept(venv, name, port)
                 say(f"{name} {kind}: accept rc={result['accept']['rc']}")
@@ -197,7 +221,10 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
 
 # ------------------------------------------------------------------ the daemon ------------------
 
-RUNS = ["cold", "warm", "kernels-shipped", "kernels-and-caches-shipped"]
+RUNS = ["prebuild", "cold", "warm", "no-autotune", "kernels-shipped",
+        "kernels-and-caches-shipped"]
+DEFAULT_RUNS = ["prebuild", "cold", "warm", "no-autotune"]
+NO_AUTOTUNE = "--no-enable-flashinfer-autotune"  # sm_90+ only: FlashInfer's autotuner
 
 
 def daemon(runs: list[str]) -> None:
@@ -231,6 +258,7 @@ def daemon(runs: list[str]) -> None:
 
     qwen_folder = STAGE / "models/qwen"
     plan = [("qwen", kind) for kind in runs]
+    prebuilt = False
     for name, kind in plan:
         _, env, argv = units[name]
         env, argv = dict(env), list(argv)
@@ -241,9 +269,14 @@ def daemon(runs: list[str]) -> None:
             folder = qwen_folder
         else:
             folder = STAGE / "models/hermes"
-        if qwen_folder.name == "qwen-dense" and name == "qwen":
-            env.pop(RETENTION, None)
-            notes.append(f"dense fallback: {RETENTION} dropped (no Mamba layers)")
+        if kind == "prebuild":
+            wipe_caches(home)
+            commit = hub_cache(home, argv[2], folder, user)
+            results["prebuild"] = prebuild(venv, home, user, env, argv, commit)
+            prebuilt = results["prebuild"]["rc"] == 0
+            say(f"prebuild: {json.dumps(results['prebuild'])[:600]}")
+            save()
+            continue
         if kind.startswith("kernels-"):
             if not CACHE_COPY.exists():
                 continue
@@ -254,26 +287,33 @@ def daemon(runs: list[str]) -> None:
                          f"flashinfer/data/aot, {shipped['home_caches']} copied "
                          f"({shipped['seconds']} s)")
         elif kind != "warm":
-            wipe_caches(home)
+            wipe_caches(home, keep_flashinfer=prebuilt)
+            if prebuilt:
+                notes.append("empty caches but FlashInfer's JIT kernels the prebuild built")
+        if kind == "no-autotune":
+            argv.append(NO_AUTOTUNE)
+            notes.append(f"{NO_AUTOTUNE} added (FlashInfer's autotuner off)")
         if kind == "no-nvvm-bin":
             env["PATH"] = ":".join(p for p in env["PATH"].split(":")
                                    if not p.endswith("/nvvm/bin"))
             notes.append("negative control: empty caches, PATH without nvvm/bin")
         commit = hub_cache(home, argv[2], folder, user)
         timeout = NEGATIVE_TIMEOUT if kind == "no-nvvm-bin" else READY_TIMEOUT
+        before = jit_modules(home)
         run = engine(name, kind, venv, home, user, argv, env, timeout)
+        after = jit_modules(home)
         run.update(notes=notes, snapshot=f"{folder.name}@{commit[:12]}",
                    environment=env, exec_start=argv,
-                   jit_kernels_built_in_home=len(list(
-                       (home / ".cache/flashinfer").glob("*/*/cached_ops/*/*.so"))))
+                   jit_kernels_built_in_home=len(after),
+                   jit_kernels_the_engine_built=sorted(set(after) - set(before)))
         results["runs"].append(run)
         if (name, kind) == ("qwen", "cold") and run["outcome"] == "ready":
             run["caches_kept"] = keep_caches(home)
         save()
         if name == "qwen" and kind == "cold" and run["outcome"] != "ready" \
                 and qwen_folder.name == "qwen":
-            say("qwen hybrid did not start: trying the dense fallback")
-            qwen_folder = STAGE / "models/qwen-dense"
+            say("qwen (Qwen3.5) did not start: trying the Qwen3-Next fallback of its shapes")
+            qwen_folder = STAGE / "models/qwen-next"
             plan.insert(plan.index(("qwen", "cold")) + 1, ("qwen", "cold"))
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()
@@ -362,9 +402,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["receive", "launch", "follow", "daemon", "table"])
     parser.add_argument("--max", type=float, default=540, help="follow: seconds at most")
-    parser.add_argument("--runs", type=runs_list, default=RUNS, help=(
+    parser.add_argument("--runs", type=runs_list, default=DEFAULT_RUNS, help=(
         "launch: the qwen runs, in order, a comma list of " + ", ".join(RUNS) +
-        " (default: all); the shipped ones need a cold run first"))
+        f" (default: {','.join(DEFAULT_RUNS)}); the shipped ones need a cold run first"))
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="table: a results folder (results.json and the engines' logs)")
     args = parser.parse_args()

@@ -7,18 +7,21 @@ the real ones: the architecture is resolved, the KV cache groups are built (so v
 on the unit's environment run), the attention backend the unit's flags select is used, kernels
 are JIT-compiled and autotuned, and the OpenAI server, chat template and tool parser run.
 
-- qwen: the qwen profile's checkpoint (turboderp/Qwen3.8-27B-exl3) is a hybrid of linear-attention
-  (Gated DeltaNet, a Mamba-type KV cache group) and full-attention layers; that is why the seed's
-  Qwen unit can set VLLM_PREFIX_CACHE_RETENTION_INTERVAL, which vLLM 0.26.0 refuses for a model
-  without sliding-window or Mamba layers. The stand-in is the same kind of hybrid in vLLM's
-  Qwen3-Next architecture: three linear-attention layers and one full-attention layer, dense MLPs
-  but for one expert layer (vLLM's Qwen3-Next needs one), head_dim 128. Plain fp16 weights: the
-  unit's `--quantization exl3` needs the operator's own vllm-exl3 plugin, which is not in this
-  repository (the harness drops that one flag and says so). Small linear-attention heads keep
-  the recurrent state under 16 tokens of attention KV, so the scheduler's block stays 16 (the
-  retention interval must be a multiple of it); two value heads per key head as in Qwen3-Next.
-- qwen-dense: a plain Qwen3 (full attention only), the fallback the harness uses if the hybrid
-  does not start; with it the retention variable must be dropped (recorded as such).
+- qwen: the qwen profile's checkpoint (turboderp/Qwen3.8-27B-exl3, Qwen3.5 generation) is
+  `Qwen3_5ForConditionalGeneration`, which vLLM 0.26.0 serves as it is (its registry has no
+  text-only Qwen3.5 class): a vision tower beside a hybrid language model of 64 layers, 48 Gated
+  DeltaNet (a Mamba-type KV cache group) and 16 full attention, 3:1. The stand-in has the same
+  class and the shapes that decide vLLM's kernels and its block arithmetic: attention head_dim 256
+  with 4 KV heads, GDN key/value head dim 128 with 16 key and 48 value heads, the SSM state in
+  float32, fp16 weights; the 3:1 pattern scaled to 8 layers (6 GDN, 2 attention); no expert
+  layer (the 27B has none); small hidden and MLP sizes and a 2-layer vision tower, with the
+  image/video processor files vLLM builds its multimodal input processing from. Its GDN state is
+  then as many bytes per layer as the 27B's, so the qwen unit's `--block-size 1600` is what vLLM
+  aligns to, as on the real model. Plain fp16 weights: the unit's `--quantization exl3` needs the
+  operator's own vllm-exl3 plugin, which is not in this repository (the harness drops that flag).
+- qwen-next: the fallback the harness uses if qwen does not start: the same text shapes in vLLM's
+  Qwen3-Next architecture (a text-only hybrid), which needs one expert layer (vLLM's Qwen3-Next:
+  "No Qwen3Next layer found in the model.layers", seen on the H200): the last one.
 - hermes: Llama-3.1-shaped in AWQ format (4-bit, group 128, GEMM layout, zero points), so the
   hermes unit's exact flags run, `--quantization awq_marlin` and the hermes tool parser included.
 
@@ -31,6 +34,7 @@ byte-level, Qwen's <tool_call> tags, which Hermes-3 uses too).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -42,38 +46,42 @@ from tests.testbed.tiny_model import write_text_files
 VOCAB = 512
 MAX_POSITIONS = 65536  # >= qwen's 65536 and hermes' 64000 (defaults.yml max_model_len)
 
-QWEN_HYBRID = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-    "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-    # Two value heads per key head, as Qwen3-Next has them (16 key heads, 32 value heads): with
-    # one per key head vLLM 0.26.0's packed decode gets strided a/b views and dies ("`a`/`b`
-    # must be contiguous in the last dim", seen on the H200: qwen_gdn_linear_attn.py reshapes
-    # the interleaved layout into a view). Small heads keep a layer's recurrent state (about
-    # 4.8 KiB) under 16 tokens of attention KV, so the scheduler's block stays 16 and the seed's
-    # retention interval (6400) a multiple of it; vLLM's CuTe DSL decode kernel wants 128-wide
-    # heads and falls back to its Triton one (a warning).
-    "linear_num_key_heads": 1, "linear_num_value_heads": 2,
-    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
-    # vLLM's Qwen3-Next wants at least one expert layer ("No Qwen3Next layer found in the
-    # model.layers", seen on the H200): the last layer has 4 experts, 2 per token.
-    "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-    "mlp_only_layers": [0, 1, 2], "moe_intermediate_size": 256,
-    "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+# The 27B's text shapes that vLLM's kernels and block arithmetic see (DESIGN.md "Facts for the
+# Qwen unit"); hidden and MLP sizes small.
+QWEN_TEXT = {
+    "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 8, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "mamba_ssm_dtype": "float32",
     "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
-    "attention_bias": False, "torch_dtype": "float16", "bos_token_id": None,
-}
-QWEN_DENSE = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-    "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-    "attention_bias": False, "use_sliding_window": False, "torch_dtype": "float16",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                        "mrope_section": [11, 11, 10]},
+    "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float16",
     "bos_token_id": None,
+}
+QWEN35 = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "text_config": {**QWEN_TEXT, "model_type": "qwen3_5_text"},
+    "vision_config": {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 64,
+                      "intermediate_size": 128, "num_heads": 2, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 128,
+                      "num_position_embeddings": 2304, "deepstack_visual_indexes": []},
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+}
+# Vision special tokens (Qwen's names), added to the testbed tokenizer for the qwen stand-in.
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>",
+                 "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+QWEN_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    **{k: v for k, v in QWEN_TEXT.items() if k not in ("rope_parameters", "mamba_ssm_dtype")},
+    "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+    "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "mlp_only_layers": list(range(7)), "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256, "norm_topk_prob": True,
 }
 HERMES_AWQ = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -91,12 +99,13 @@ AWQ_GROUP, AWQ_PACK = 128, 8  # 8 four-bit values per int32
 def _transformers_checkpoint(out: Path, config: dict, seed: int) -> None:
     """Random weights in exactly the shapes and names transformers gives the architecture."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items()
                                         if k not in ("architectures", "torch_dtype")})
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    model = auto.from_config(hf_config, dtype=torch.bfloat16)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
@@ -106,6 +115,37 @@ def _transformers_checkpoint(out: Path, config: dict, seed: int) -> None:
     # The qwen unit runs --dtype float16.
     save_file({k: v.astype(np.float16) for k, v in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _qwen35(out: Path, config: dict, seed: int) -> None:
+    """The multimodal Qwen3.5 checkpoint: the testbed tokenizer plus Qwen's vision tokens (their
+    ids in the config), the image and video processor files in the hub's Qwen3-VL format, which
+    vLLM's Qwen3-VL input processing loads (small images: the encoder's profiling stays small),
+    then the weights."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in VISION_TOKENS.values()])
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+    ids = {key: tok.token_to_id(text) for key, text in VISION_TOKENS.items()}
+    assert max(ids.values()) < VOCAB
+    settings = json.loads((out / "config.json").read_text())
+    settings |= ids
+    for key in ("eos_token_id", "pad_token_id"):  # write_text_files put them at the top level
+        settings["text_config"][key] = settings[key]
+    (out / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    common = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+              "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+              "processor_class": "Qwen3VLProcessor"}
+    for name, extra in (("preprocessor_config.json",
+                         {"image_processor_type": "Qwen2VLImageProcessorFast"}),
+                        ("video_preprocessor_config.json",
+                         {"video_processor_type": "Qwen3VLVideoProcessor", "fps": 2,
+                          "min_frames": 4, "max_frames": 8})):
+        (out / name).write_text(json.dumps({**common, **extra}, indent=2, sort_keys=True) + "\n")
+    _transformers_checkpoint(out, settings, seed)
 
 
 def _awq_linear(rng: np.random.Generator, prefix: str, n_in: int, n_out: int) -> dict:
@@ -144,8 +184,8 @@ def _awq_llama(out: Path, config: dict, seed: int) -> None:
 
 
 CHECKPOINTS = {
-    "qwen": (QWEN_HYBRID, _transformers_checkpoint, 20261201),
-    "qwen-dense": (QWEN_DENSE, _transformers_checkpoint, 20261202),
+    "qwen": (QWEN35, _qwen35, 20261201),
+    "qwen-next": (QWEN_NEXT, _transformers_checkpoint, 20261202),
     "hermes": (HERMES_AWQ, _awq_llama, 20261203),
 }
 
@@ -154,7 +194,8 @@ def write_all(out: Path) -> None:
     for name, (config, make, seed) in CHECKPOINTS.items():
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
-        write_text_files(folder, config)
+        write_text_files(folder, config if "text_config" not in config else
+                         {**config, "max_position_embeddings": MAX_POSITIONS})
         make(folder, config, seed)
         for path in folder.iterdir():
             path.chmod(0o644)  # read by the service user on the GPU machine

@@ -18,7 +18,14 @@ from donorkit.box_facts import host_profile
 from donorkit.host_data import this_box
 from donorkit.kernel_cache import UnitKernels, keep_kernels, ship_kernels
 from donorkit.paths import repo_path
-from donorkit.render import PLUGIN_TREE_STAMP, UNIT_DIR, VERIFY_UNIT, render_unit
+from donorkit.prebuild import prebuild_command, prebuild_kernels
+from donorkit.render import (
+    PLUGIN_TREE_STAMP,
+    UNIT_DIR,
+    VERIFY_UNIT,
+    render_unit,
+    unit_environment,
+)
 from donorkit.serving import ready_gate
 from pyinfra_declared.files import ConfigFile, config_files
 from pyinfra_declared.services import retired_unit, service_running_its_files
@@ -38,6 +45,7 @@ def apply() -> None:
         ]
 
     gate = f"{install_root}/bin/wait_ready.py"
+    prebuild = f"{install_root}/bin/prebuild_kernels.py"
     for unit in host.data.retired_units:
         retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
                      unit_path=f"{UNIT_DIR}/{unit}")
@@ -50,6 +58,8 @@ def apply() -> None:
         name=f"Install the readiness gate and {', '.join(m.unit for m in models)}",
         files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
                           mode="755"),
+               *([ConfigFile(content=repo_path("files/prebuild_kernels.py").read_text(),
+                             dest=prebuild, mode="755")] if box.cuda_engine else []),
                *(ConfigFile(content=rendered[model.unit],
                             dest=f"{UNIT_DIR}/{model.unit}", validate=VERIFY_UNIT)
                  for model in models)])
@@ -68,6 +78,12 @@ def apply() -> None:
                 builders=tuple(box.cache_builders))
             ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
+            # What the stack still lacks, built outside the unit's cgroup (donorkit/prebuild.py).
+            prebuild_kernels(
+                name=f"Kernels for {model.unit}: FlashInfer's, built before it starts",
+                kernels=kernels, command=prebuild_command(
+                    kernels, prebuild, unit_environment(box, model), model.args,
+                    host.data.kernel_prebuild_gib_per_job, host.data.kernel_prebuild_reserve_gib))
         service_running_its_files(
             name=f"Run {model.unit} (port {model.port}, {model.checkpoint})",
             unit=model.unit,

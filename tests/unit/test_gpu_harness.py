@@ -4,9 +4,16 @@ every Environment= pair, User=), or the GPU proof would prove another command li
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from donorkit.fleet import load_fleet
 from donorkit.paths import REPO_ROOT
@@ -58,3 +65,71 @@ def test_phases_read_from_the_recorded_engine_logs() -> None:
                     "after_graphs_s": 102}
     assert warm["init_engine_s"] == 28.14 and warm["flashinfer_autotune_s"] == 0
     assert engine_results.phases("no vLLM lines here") == {}
+
+
+# ------------------------------------------------------------------ with the GPU image's python --
+
+DRY_RUN = REPO_ROOT / "tests/unit/gpu_image_dry_run.py"
+
+
+def in_the_image(*args: str) -> subprocess.CompletedProcess:
+    """`python -I` (no PYTHONPATH, no user site, not the current folder) with the dry run's
+    import blocker: only the standard library, this repository and psutil."""
+    return subprocess.run([sys.executable, "-I", str(DRY_RUN), *args], cwd="/",
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_blocker_refuses_what_the_gpu_image_lacks() -> None:
+    """The guard can fail: pydantic (donorkit.acceptance's) is refused as on the GPU machine."""
+    result = in_the_image("--import", "donorkit.acceptance")
+    assert result.returncode == 1
+    assert "in the GPU image (blocked)" in result.stderr  # yaml or pydantic, whichever first
+
+
+def stage_chunks(tmp_path: Path) -> Path:
+    """What `make gpu-engine-carry` carries, in small: the rendered units of gpu/engine.yml (as
+    engine_carry renders them), an empty wheel table and the stand-ins' configs, in two chunks."""
+    work = tmp_path / "work"
+    stage = work / "build/stage"
+    donors = yaml.safe_load(ENGINE_DONORS.read_text())
+    donors["overrides"]["pki_dir"] = str(tmp_path / "pki")
+    (tmp_path / "engine.yml").write_text(yaml.safe_dump(donors))
+    for donor in ("h200-qwen", "h200-hermes"):
+        subprocess.run([sys.executable, "-m", "donorkit.render_cli", donor,
+                        str(stage / "render" / donor)], cwd=REPO_ROOT, check=True,
+                       env={**os.environ, "DONORS_FILE": str(tmp_path / "engine.yml")},
+                       capture_output=True)
+    (stage / "requirements.json").write_text(json.dumps({"carried": {}, "excluded": {}}))
+    for name in ("qwen", "qwen-next", "hermes"):
+        (stage / "models" / name).mkdir(parents=True)
+        (stage / "models" / name / "config.json").write_text('{"head_dim": 256}')
+    archive = work / "stage.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(stage, arcname="stage")
+    data = archive.read_bytes()
+    half = len(data) // 2
+    for i, part in enumerate((data[:half], data[half:]), 1):
+        (work / f"carry/{i:02d}").mkdir(parents=True)
+        (work / f"carry/{i:02d}/part").write_bytes(part)
+    (work / "carry/01/manifest").write_text(f"2 {hashlib.sha256(data).hexdigest()}\n")
+    return work
+
+
+def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> None:
+    """receive, launch, the daemon's every run (prebuild, cold, warm, no-autotune; the engines
+    exit at once, so the fallback checkpoint's cold run follows), follow and table, under
+    `python -I` with the blocker: the toolkit step's import chain (tests/testbed/cuda_standin ->
+    common) once reached pydantic there, and nothing host-free saw it."""
+    work = stage_chunks(tmp_path)
+    result = in_the_image(str(work))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "STEPS DONE" in result.stdout
+    results = json.loads((work / "engine/results/results.json").read_text())
+    assert results["toolkit"]["seconds"] >= 0 and "finished" in results
+    assert results["prebuild"]["command"][1].endswith("/bin/prebuild_kernels.py")
+    runs = [(r["run"], r["snapshot"].split("@")[0]) for r in results["runs"]]
+    assert runs == [("cold", "qwen"), ("cold", "qwen-next"), ("warm", "qwen-next"),
+                    ("no-autotune", "qwen-next")]
+    assert results["runs"][-1]["exec_start"][-1] == "--no-enable-flashinfer-autotune"
+    assert all("--quantization" not in r["exec_start"] for r in results["runs"])
+    assert (work / "out/results.json").exists() and (work / "engine/results/table.md").exists()

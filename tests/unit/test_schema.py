@@ -291,11 +291,76 @@ def test_retention_is_refused_for_every_unit(tmp_path: Path) -> None:
         "overrides.unit_environment", "belongs in models.<name>.environment")
 
 
-@pytest.mark.parametrize("value", ["6401", "-16", "64k", ""])
-def test_retention_is_a_multiple_of_the_block_size(tmp_path: Path, value: str) -> None:
+@pytest.mark.parametrize("value", ["-16", "64k", ""])
+def test_retention_is_a_whole_number_of_tokens(tmp_path: Path, value: str) -> None:
     refused(with_overrides(tmp_path, {"models": {"qwen": {"environment": {
         "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": value}}}}),
-        "overrides.models.qwen.environment", "multiple of the KV block size 16")
+        "overrides.models.qwen.environment", "must be a whole number of tokens")
+
+
+RETENTION_ARGS = ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+
+
+@pytest.mark.parametrize("value", ["6401", "4000"])  # 4000: a multiple of 16, not of 1600
+def test_retention_is_a_multiple_of_the_profiles_block_size(tmp_path: Path, value: str) -> None:
+    """The qwen profile gives --block-size 1600: vLLM's scheduler block, which the interval must
+    divide into."""
+    refused(with_overrides(tmp_path, {"models": {"qwen": {"environment": {
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": value}}}}),
+        "overrides.models.qwen.environment", "a multiple of --block-size 1600")
+
+
+def test_retention_block_size_in_either_spelling(tmp_path: Path) -> None:
+    overrides = {"models": {"qwen": {"args": [*RETENTION_ARGS, "--block-size=1200"]}}}
+    refused(with_overrides(tmp_path, overrides), "overrides.models.qwen.environment",
+            "a multiple of --block-size 1200")
+    overrides["models"]["qwen"]["args"][-1] = "--block-size=800"
+    assert load_fleet(with_overrides(tmp_path, overrides))["box"].models["qwen"].environment[
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"] == "6400"
+
+
+def test_retention_on_a_full_attention_profile_is_refused(tmp_path: Path) -> None:
+    """Hermes (attention: full): vLLM 0.26.0 does not start it with the retention variable."""
+    message = refused(with_overrides(tmp_path, {"models": {"hermes": {"environment": {
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "6400"}}}}),
+        "overrides.models.hermes.environment", "on a full-attention profile (attention: full)")
+    assert "donor 'box'" in message
+
+
+@pytest.mark.parametrize("args", [
+    ["--max-num-seqs", "12", "--block-size", "1600"],                      # not turned on
+    [*RETENTION_ARGS, "--block-size", "1600", "--no-enable-prefix-caching"],  # turned off last
+])
+def test_retention_on_a_hybrid_needs_prefix_caching(tmp_path: Path, args: list[str]) -> None:
+    refused(with_overrides(tmp_path, {"models": {"qwen": {"args": args}}}),
+            "overrides.models.qwen.environment", "needs --enable-prefix-caching")
+
+
+def test_retention_on_a_sliding_profile_uses_the_default_block(tmp_path: Path) -> None:
+    """A sliding-window profile needs no prefix-caching flag; without --block-size the block is
+    vLLM's default 16."""
+    sliding = {"attention": "sliding", "args": ["--max-num-seqs", "12"]}
+    box = load_fleet(with_overrides(tmp_path, {"models": {"qwen": sliding}}))["box"]
+    assert box.models["qwen"].environment["VLLM_PREFIX_CACHE_RETENTION_INTERVAL"] == "6400"
+    refused(with_overrides(tmp_path, {"models": {"qwen": {**sliding, "environment": {
+        "VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "6408"}}}}),
+        "overrides.models.qwen.environment", "a multiple of the KV block size 16")
+
+
+def test_the_attention_kind_is_one_of_three(tmp_path: Path) -> None:
+    refused(with_overrides(tmp_path, {"models": {"hermes": {"attention": "linear"}}}),
+            "overrides.models.hermes.attention", "full")
+
+
+def test_the_shipped_profiles_say_their_attention() -> None:
+    """The qwen profile keeps the seed's retention on the hybrid 27B with the flags vLLM needs for
+    it; Hermes is full attention, without it."""
+    defaults = yaml.safe_load((REPO_ROOT / "inventory/defaults.yml").read_text())["models"]
+    assert defaults["qwen"]["attention"] == "hybrid"
+    assert defaults["hermes"]["attention"] == "full"
+    assert defaults["qwen"]["args"][-5:] == [*RETENTION_ARGS, "--block-size", "1600"]
+    assert defaults["qwen"]["environment"]["VLLM_PREFIX_CACHE_RETENTION_INTERVAL"] == "6400"
+    assert 6400 % 1600 == 0
 
 
 def test_a_card_adds_its_flags_to_every_model(tmp_path: Path) -> None:

@@ -120,7 +120,10 @@ def test_unit_has_the_seed_service_settings_and_loopback_only(box: dict) -> None
                  "Environment=MAX_JOBS=2",  # FlashInfer's JIT fits MemoryMax on a first start
                  "TimeoutStartSec=3600", "Restart=always", "RestartSec=5", "MemoryMax=16G",
                  "OOMScoreAdjust=-500", "    --host 127.0.0.1 \\", "    --port 18888 \\",
-                 "    --max-model-len 65536 \\", "    --quantization exl3"):
+                 "    --max-model-len 65536 \\", "    --quantization exl3 \\",
+                 # the retention variable's needs on the hybrid 27B (defaults.yml says why)
+                 "    --enable-prefix-caching \\", "    --mamba-cache-mode align \\",
+                 "    --block-size 1600"):
         assert line in text.splitlines(), line
     assert "0.0.0.0" not in text and "--served-model-name" not in text
     assert "/usr/local/cuda/" not in text and "/usr/local/cuda:" not in text

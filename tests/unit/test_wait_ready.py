@@ -27,7 +27,10 @@ def fake_systemd(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "systemctl").write_text(
-        "#!/bin/sh\n# TEST DOUBLE for `systemctl show`: a running unit.\n"
+        "#!/bin/sh\n# TEST DOUBLE for `systemctl show`: a running unit, its ExecStart as systemd\n"
+        "# shows it.\n"
+        'case "$*" in *ExecStart*) echo "ExecStart={ path=/v/bin/vllm ; argv[]=/v/bin/vllm serve '
+        f'{MODEL} --max-model-len 4096 --max-num-seqs 12 ; ignore_errors=no ; }}"; exit;; esac\n'
         "printf 'ActiveState=active\\nSubState=running\\nNRestarts=0\\nExecMainPID=42\\n'\n")
     (bin_dir / "journalctl").write_text(
         "#!/bin/sh\n# TEST DOUBLE for journalctl: one line a log reader must see.\n"
@@ -98,3 +101,54 @@ def test_standin_offline_needs_the_snapshot(tmp_path):
                              "--port", str(free_port())], env=env, capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 1 and "LocalEntryNotFoundError" in result.stderr
+
+
+def test_ready_means_the_warm_up_was_answered(fake_systemd):
+    """After the model is listed the gate sends a short prompt, a long one and --max-num-seqs
+    (12, read from the unit's ExecStart) at once; all answered: ready."""
+    port = free_port()
+    proc = serve(port, 0)
+    try:
+        result = gate(fake_systemd, port, 30)
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert result.returncode == 0, result.stderr
+    assert f"lists {MODEL} after" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].endswith(
+        f"({MODEL} listed and answered 14 warm-up requests)")
+
+
+ENGINE_DYING_AT_FIRST_REQUEST = f"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({{"data": [{{"id": "{MODEL}"}}]}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        self.send_response(500); self.send_header("Content-Length", "14"); self.end_headers()
+        self.wfile.write(b"EngineDeadError")
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_listed_model_that_does_not_answer_is_not_ready(fake_systemd, tmp_path):
+    """TEST DOUBLE of an engine that lists its model and dies in its first request (as vLLM
+    did on the H200 with FlashInfer's GDN prefill at a head dim it lacks): not ready, with why
+    and the journal."""
+    port = free_port()
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_DYING_AT_FIRST_REQUEST)
+    proc = subprocess.Popen([sys.executable, str(script), str(port)], stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        result = gate(fake_systemd, port, 30)
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert result.returncode == 1
+    assert ("did not become ready: listed, but the warm-up was not answered: 1 of 1 warm-up "
+            "request(s) failed: HTTP 500: EngineDeadErr") in result.stderr
+    assert "journal test line" in result.stderr
