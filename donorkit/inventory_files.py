@@ -5,7 +5,10 @@ donorkit.fleet loads the fleet with these."""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +80,22 @@ MAX_YAML_ALIASES = 1000       # `*name` uses of anchors
 MAX_YAML_VALUES = 200_000     # values the document holds once every alias is expanded
 
 
-def _bounds_problem(text: str, loader: type = _FastUniqueKeyLoader) -> tuple[str, Any] | None:
+@dataclass(frozen=True)
+class YamlLimits:
+    """What one kind of YAML file may be: read_bounded_yaml refuses a file past any of these."""
+
+    kind: str = "an inventory file"
+    bytes: int = MAX_YAML_BYTES
+    depth: int = MAX_YAML_DEPTH
+    aliases: int = MAX_YAML_ALIASES
+    values: int = MAX_YAML_VALUES
+
+
+INVENTORY_YAML = YamlLimits()
+
+
+def _bounds_problem(text: str, limits: YamlLimits,
+                    loader: type = _FastUniqueKeyLoader) -> tuple[str, Any] | None:
     """Why `text` is too big to read as data (its problem and the YAML mark where it shows), or
     None. One pass over libyaml's event stream (no recursion, nothing built): each anchor's
     expanded size is counted once, so an alias bomb (nine anchors of ten aliases each: 10^9
@@ -88,8 +106,8 @@ def _bounds_problem(text: str, loader: type = _FastUniqueKeyLoader) -> tuple[str
     aliases = 0
     for event in yaml.parse(text, Loader=loader):
         if isinstance(event, yaml.CollectionStartEvent):
-            if len(open_nodes) >= MAX_YAML_DEPTH:
-                return (f"nested deeper than {MAX_YAML_DEPTH} levels (an inventory never is)",
+            if len(open_nodes) >= limits.depth:
+                return (f"nested deeper than {limits.depth} levels ({limits.kind} never is)",
                         event.start_mark)
             open_nodes.append([event.anchor, 1])
             continue
@@ -99,8 +117,9 @@ def _bounds_problem(text: str, loader: type = _FastUniqueKeyLoader) -> tuple[str
             anchor, size = event.anchor, 1
         elif isinstance(event, yaml.AliasEvent):
             aliases += 1
-            if aliases > MAX_YAML_ALIASES:
-                return f"more than {MAX_YAML_ALIASES} aliases", event.start_mark
+            if aliases > limits.aliases:
+                return (f"more than {limits.aliases} aliases (& and *) for {limits.kind}",
+                        event.start_mark)
             anchor, size = None, sizes.get(event.anchor, 1)
         else:
             continue
@@ -109,8 +128,8 @@ def _bounds_problem(text: str, loader: type = _FastUniqueKeyLoader) -> tuple[str
         if open_nodes:
             open_nodes[-1][1] += size
             size = open_nodes[-1][1]
-        if size > MAX_YAML_VALUES:
-            return (f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb?)",
+        if size > limits.values:
+            return (f"its aliases expand to more than {limits.values} values (an alias bomb?)",
                     event.start_mark)
     return None
 
@@ -120,7 +139,7 @@ def _malformed(path: Path, problem: str, mark: Any) -> FleetError:
     return FleetError(f"{path}: malformed YAML{where}: {problem}")
 
 
-def read_bounded_yaml(path: Path) -> Any:
+def read_bounded_yaml(path: Path, limits: YamlLimits = INVENTORY_YAML) -> Any:
     """THE reader of every YAML file the operator or a volunteer hands us (defaults.yml, donors
     files, join files): one parsed document, or one FleetError line naming the file. Bounded
     before anything is built: the file's size (MAX_YAML_BYTES, read no further), its nesting
@@ -128,24 +147,26 @@ def read_bounded_yaml(path: Path) -> Any:
     duplicate keys, unhashable keys and values PyYAML cannot build (a 13th month, an integer
     of 5000 digits) are refused too. What it returns is safe to walk recursively."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FleetError(f"{path}: not a regular file: not {limits.kind}")
         with path.open("rb") as handle:
-            raw = handle.read(MAX_YAML_BYTES + 1)
+            raw = handle.read(limits.bytes + 1)
     except OSError as exc:
         raise FleetError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > MAX_YAML_BYTES:
-        raise FleetError(f"{path}: more than {MAX_YAML_BYTES} bytes: larger than an inventory "
-                         "file may be")
+    if len(raw) > limits.bytes:
+        raise FleetError(f"{path}: more than {limits.bytes} bytes: larger than {limits.kind} "
+                         "may be")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FleetError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
-        problem = _bounds_problem(text)
+        problem = _bounds_problem(text, limits)
     except yaml.YAMLError:
         # libyaml's terse word (or its own nesting limit): PyYAML's parser says where and what
         # (it is iterative too: nothing here recurses).
         try:
-            problem = _bounds_problem(text, _UniqueKeyLoader)
+            problem = _bounds_problem(text, limits, _UniqueKeyLoader)
         except yaml.YAMLError as exc:
             problem = (getattr(exc, "problem", None) or str(exc),
                        getattr(exc, "problem_mark", None))

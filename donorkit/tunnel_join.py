@@ -21,9 +21,7 @@ import base64
 import binascii
 import ipaddress
 import json
-import os
 import re
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -183,50 +181,13 @@ def write_join_file(name: str, fleet: dict[str, DonorBox], out: Path) -> str:
 
 
 def _bounded_yaml(path: Path) -> Any:
-    """The file's YAML document, read bounded (a regular file of at most MAX_BYTES, no anchors
-    or aliases, nested at most MAX_DEPTH deep: PyYAML's parser walks the events without
-    recursion), duplicate keys refused (the inventory's loader); a FleetError otherwise."""
-    import yaml
+    """The file's YAML document, read bounded by the inventory's reader with a join file's
+    limits: a regular file of at most MAX_BYTES, no anchors or aliases, nested at most
+    MAX_DEPTH deep, duplicate keys refused; a FleetError otherwise."""
+    from donorkit.inventory_files import YamlLimits, read_bounded_yaml
 
-    from donorkit.inventory_files import FleetError, _UniqueKeyLoader
-
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise FleetError(f"{path}: not a regular file: not a join file")
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise FleetError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > MAX_BYTES:
-        raise FleetError(f"{path}: larger than {MAX_BYTES} bytes: not a join file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise FleetError(f"{path}: not UTF-8 text: not a join file") from None
-    depth = 0
-    try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            line = f"line {event.start_mark.line + 1}"
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise FleetError(f"{path}: {line}: YAML anchors and aliases (& and *) are not "
-                                 "allowed in a join file")
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise FleetError(f"{path}: {line}: nested deeper than {MAX_DEPTH} levels: "
-                                     "not a join file")
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise FleetError(f"{path}: malformed YAML{where}: {problem}") from None
-    except (ValueError, OverflowError, TypeError) as exc:  # a scalar or key PyYAML cannot build
-        raise FleetError(f"{path}: malformed YAML: a value cannot be read: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-                         ) from None
+    return read_bounded_yaml(path, YamlLimits(kind="a join file", bytes=MAX_BYTES,
+                                              depth=MAX_DEPTH, aliases=0))
 
 
 # Private by Python's reckoning, but never a tunnel's: routed into the tunnel, they would take
