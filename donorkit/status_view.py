@@ -9,6 +9,12 @@ DONOR_COLUMNS = ["DONOR", "CARD", "DRIVER", "GPU MEM", "UTIL", "UNIT", "SINCE",
                  "MODEL @ REVISION", "READY", "DRAINED", "RUN/WAIT", "KV", "VLLM", "TORCH",
                  "TOOLKIT", "CERT UNTIL"]
 EDGE_COLUMNS = ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+# The narrow table (the default of `donors status`; -v: the wide one above), within 100 columns
+# for a fleet's usual names: what answers "is it serving, which revision, how loaded".
+NARROW_DONOR = ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY", "RUN/WAIT", "KV"]
+NARROW_EDGE = ["EDGE", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+_NARROW_DONOR_CELLS = [DONOR_COLUMNS.index(c) for c in ("DONOR", "CARD", "UNIT", "SINCE")]
+CELL = 24   # a narrow cell longer than this is cut, with "~"
 
 
 def duration(seconds: float | None) -> str:
@@ -102,16 +108,39 @@ def unreachable_line(row: dict) -> str:
     return f"{row['name']}: UNREACHABLE ({row['role']}, {row['address']}): {row['unreachable']}"
 
 
-def render_table(rows: list[dict]) -> str:
-    """The donors' table, the edges' table, then one line per unreachable box."""
+def _cut(text: str, width: int = CELL) -> str:
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def narrow_donor_rows(row: dict) -> list[list[str]]:
+    """donor_rows' cells that fit a terminal: the revision alone (12 hex, `!` when it is not
+    the inventory's pin), the readiness problem cut."""
+    out = []
+    for line, model in zip(donor_rows(row), row.get("models", []) or [{}], strict=True):
+        cells = [_cut(line[i]) for i in _NARROW_DONOR_CELLS]
+        revision = (model.get("revision") or "none")[:12] if model else "-"
+        if model and model.get("revision") != model.get("pinned"):
+            revision += "!"
+        out.append([*cells, revision, _cut(line[DONOR_COLUMNS.index("READY")], 30),
+                    line[DONOR_COLUMNS.index("RUN/WAIT")], line[DONOR_COLUMNS.index("KV")]])
+    return out
+
+
+def render_table(rows: list[dict], wide: bool = True) -> str:
+    """The donors' table, the edges' table, then one line per unreachable box. `wide`: every
+    column; else the narrow one (a revision marked `!` is not the inventory's pin)."""
     out: list[str] = []
     donors = [r for r in rows if r["role"] == "donor" and not r.get("unreachable")]
     edges = [r for r in rows if r["role"] == "edge" and not r.get("unreachable")]
     if donors:
-        out += table(DONOR_COLUMNS, [line for r in donors for line in donor_rows(r)])
+        out += (table(DONOR_COLUMNS, [line for r in donors for line in donor_rows(r)]) if wide
+                else table(NARROW_DONOR, [line for r in donors for line in narrow_donor_rows(r)]))
     edge_lines = [line for r in edges for line in edge_rows(r)]
+    if edge_lines and not wide:
+        edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4], 30), line[5], line[6]]
+                      for line in edge_lines]
     if edge_lines:
-        out += ([""] if out else []) + table(EDGE_COLUMNS, edge_lines)
+        out += ([""] if out else []) + table(EDGE_COLUMNS if wide else NARROW_EDGE, edge_lines)
     gone = [unreachable_line(r) for r in rows if r.get("unreachable")]
     if gone:
         out += ([""] if out else []) + gone
