@@ -100,11 +100,19 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    _inventory(args.limit, sources=True, revisions=True)   # refused here, in one line
+    donors, _ = _inventory(args.limit, sources=True, revisions=True)  # refused here, one line
     command = [BIN / "pyinfra", "inventory/gpus.py", "deploy.py"]
     command += [f"--limit={pattern}" for pattern in args.limit]
     command += ["--dry"] * args.dry + ["--diff"] * args.diff + ["-y"] * args.yes
-    return _run(command + args.pyinfra_args)
+    rc = _run(command + args.pyinfra_args)
+    home = [name for name, box in donors.items() if box.reach == "tunnel"]
+    if rc and home:
+        # pyinfra's word for a tunnel address nobody answers yet is `No existing session`.
+        print(f"donors: home donors {', '.join(home)} are reached through the tunnel: "
+              "`SSH error (No existing session)` for one of them means its box has not joined "
+              "yet (donors join-file, then `donors join` on the box: README \"A home donor "
+              "behind NAT\")", file=sys.stderr)
+    return errors.FAILED if rc else errors.OK
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -116,6 +124,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from donorkit import status
 
+    _inventory(args.limit)
     return status.main([*(f"--limit={p}" for p in args.limit), *["--json"] * args.json,
                         *["--verbose"] * args.verbose, f"--timeout={args.timeout}"])
 

@@ -331,9 +331,15 @@ def load_inventory(donors_path: Path | str | None = None,
             # A cpu engine installs no plugin (deploy.py): its source is not needed.
             if box.cuda_engine and isinstance(source, PluginPath) \
                     and not plugin_local_path(source).is_dir():
-                raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
-                                 f"local path {plugin_local_path(source)} does not exist on "
-                                 "this machine")
+                own = inventory.donors[name].get("overrides") or {}
+                where = (f"{donors_path}: donor '{name}': field 'overrides.vllm_exl3_plugin'"
+                         if "vllm_exl3_plugin" in own else
+                         f"{donors_path}: field 'overrides.vllm_exl3_plugin'"
+                         if "vllm_exl3_plugin" in inventory.overrides else
+                         f"{defaults_path}: field 'vllm_exl3_plugin' (donor '{name}')")
+                raise FleetError(f"{where}: local path {plugin_local_path(source)} does not "
+                                 "exist on this machine: the vllm-exl3 plugin's checkout (README "
+                                 "\"Prerequisites\"), or set {git_url, ref} instead")
     return fleet, edges
 
 
