@@ -14,7 +14,7 @@ EDGE_COLUMNS = ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN FL
 NARROW_DONOR = ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY", "RUN/WAIT", "KV"]
 NARROW_EDGE = ["EDGE", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
 _NARROW_DONOR_CELLS = [DONOR_COLUMNS.index(c) for c in ("DONOR", "CARD", "UNIT", "SINCE")]
-CELL = 24   # a narrow cell longer than this is cut, with "~"
+CELL = 20   # a narrow cell longer than this is cut, with "~"
 
 
 def duration(seconds: float | None) -> str:
@@ -113,15 +113,18 @@ def _cut(text: str, width: int = CELL) -> str:
 
 
 def narrow_donor_rows(row: dict) -> list[list[str]]:
-    """donor_rows' cells that fit a terminal: the revision alone (12 hex, `!` when it is not
-    the inventory's pin), the readiness problem cut."""
+    """donor_rows' cells that fit a terminal: the card without its vendor words, the unit by
+    its model, the revision alone (12 hex, `!` when it is not the inventory's pin), the
+    readiness problem cut."""
     out = []
     for line, model in zip(donor_rows(row), row.get("models", []) or [{}], strict=True):
-        cells = [_cut(line[i]) for i in _NARROW_DONOR_CELLS]
+        name, card, unit, since = (line[i] for i in _NARROW_DONOR_CELLS)
+        card = card.replace("NVIDIA ", "").replace("GeForce ", "")
         revision = (model.get("revision") or "none")[:12] if model else "-"
         if model and model.get("revision") != model.get("pinned"):
             revision += "!"
-        out.append([*cells, revision, _cut(line[DONOR_COLUMNS.index("READY")], 30),
+        out.append([_cut(name), _cut(card, 12), _cut(unit.removeprefix("vllm-")), since,
+                    revision, _cut(line[DONOR_COLUMNS.index("READY")]),
                     line[DONOR_COLUMNS.index("RUN/WAIT")], line[DONOR_COLUMNS.index("KV")]])
     return out
 
@@ -137,8 +140,8 @@ def render_table(rows: list[dict], wide: bool = True) -> str:
                 else table(NARROW_DONOR, [line for r in donors for line in narrow_donor_rows(r)]))
     edge_lines = [line for r in edges for line in edge_rows(r)]
     if edge_lines and not wide:
-        edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4], 30), line[5], line[6]]
-                      for line in edge_lines]
+        edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4].split(" (")[0]), line[5],
+                       line[6]] for line in edge_lines]
     if edge_lines:
         out += ([""] if out else []) + table(EDGE_COLUMNS if wide else NARROW_EDGE, edge_lines)
     gone = [unreachable_line(r) for r in rows if r.get("unreachable")]
