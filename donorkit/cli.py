@@ -156,7 +156,8 @@ def cmd_accept(args: argparse.Namespace) -> int:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from donorkit import rollout
 
-    _inventory()
+    if not args.inventory:      # another inventory file (inventory/testbed.py) loads its own
+        _inventory()
     return rollout.main([*([f"--batch={args.batch}"] if args.batch else []),
                          *([f"--from={args.start}"] if args.start else []),
                          *([f"--inventory={args.inventory}"] if args.inventory else []),

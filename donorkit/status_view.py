@@ -114,8 +114,8 @@ def _cut(text: str, width: int = CELL) -> str:
 
 def narrow_donor_rows(row: dict) -> list[list[str]]:
     """donor_rows' cells that fit a terminal: the card without its vendor words, the unit by
-    its model, the revision alone (12 hex, `!` when it is not the inventory's pin), the
-    readiness problem cut."""
+    its model, the revision alone (12 hex, `!` when it is not the inventory's pin), READY yes
+    or NO (why: a line under the table, not_ready_lines)."""
     out = []
     for line, model in zip(donor_rows(row), row.get("models", []) or [{}], strict=True):
         name, card, unit, since = (line[i] for i in _NARROW_DONOR_CELLS)
@@ -123,10 +123,18 @@ def narrow_donor_rows(row: dict) -> list[list[str]]:
         revision = (model.get("revision") or "none")[:12] if model else "-"
         if model and model.get("revision") != model.get("pinned"):
             revision += "!"
+        ready = "yes" if model.get("ready") else "NO" if model else "-"
         out.append([_cut(name), _cut(card, 12), _cut(unit.removeprefix("vllm-")), since,
-                    revision, _cut(line[DONOR_COLUMNS.index("READY")]),
-                    line[DONOR_COLUMNS.index("RUN/WAIT")], line[DONOR_COLUMNS.index("KV")]])
+                    revision, ready, line[DONOR_COLUMNS.index("RUN/WAIT")],
+                    line[DONOR_COLUMNS.index("KV")]])
     return out
+
+
+def not_ready_lines(rows: list[dict]) -> list[str]:
+    """Under the narrow table: why each model marked NO is not ready (its own line)."""
+    return [f"{row['name']} {model.get('unit', '').removesuffix('.service')}: "
+            f"{ready_cell(model)}" for row in rows for model in row.get("models", []) or []
+            if not model.get("ready")]
 
 
 def render_table(rows: list[dict], wide: bool = True) -> str:
@@ -137,7 +145,8 @@ def render_table(rows: list[dict], wide: bool = True) -> str:
     edges = [r for r in rows if r["role"] == "edge" and not r.get("unreachable")]
     if donors:
         out += (table(DONOR_COLUMNS, [line for r in donors for line in donor_rows(r)]) if wide
-                else table(NARROW_DONOR, [line for r in donors for line in narrow_donor_rows(r)]))
+                else table(NARROW_DONOR, [line for r in donors for line in narrow_donor_rows(r)])
+                + not_ready_lines(donors))
     edge_lines = [line for r in edges for line in edge_rows(r)]
     if edge_lines and not wide:
         edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4].split(" (")[0]), line[5],

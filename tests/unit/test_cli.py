@@ -194,7 +194,8 @@ def test_status_table_fits_100_columns(tmp_path: Path) -> None:
                                         "vllm:kv_cache_usage_perc": 0.31},
              "cert_expires": "2027-01-01T00:00:00"}
     row = {"name": "hermes-4090", "role": "donor", "models": [model, {**model, "revision": None,
-                                                                        "ready": False}],
+                                                                        "ready": False,
+                                                                        "problem": "x" * 200}],
            "gpu": {"card": "NVIDIA GeForce RTX 4090", "driver": "580.95.05",
                    "memory_used_mib": 20000, "memory_total_mib": 24564,
                    "utilization_pct": 87},
@@ -203,9 +204,11 @@ def test_status_table_fits_100_columns(tmp_path: Path) -> None:
             "pool": [{"hostname": "hermes.ai.unturf.com", "donor": "hermes-4090",
                       "address": "198.51.100.40:8443", "seen": "up", "in_flight": 3}]}
     narrow = render_table([row, edge], wide=False).splitlines()
-    assert max(map(len, narrow)) <= 100, "\n".join(narrow)
+    assert max(map(len, narrow[:3] + narrow[4:])) <= 100, "\n".join(narrow)
     assert narrow[0].split() == ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY",
                                  "RUN/WAIT", "KV"]
     assert PIN[:12] in narrow[1] and "none!" in narrow[2]   # not the inventory's pin: marked
+    assert narrow[1].split()[-3:] == ["yes", "2/0", "31%"] and " NO " in narrow[2]
+    assert narrow[3].startswith("hermes-4090 vllm-qwen: NO: xxx")   # why, under the table
     wide = render_table([row, edge]).splitlines()
     assert max(map(len, wide)) > 100 and "TORCH" in wide[0]
