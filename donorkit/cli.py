@@ -89,10 +89,13 @@ def cmd_init(args: argparse.Namespace) -> int:
     models = read_yaml(DEFAULTS_FILE)["models"]
     pins = "".join(f"    {m}:\n      checkpoint: {models[m]['checkpoint']}\n"
                    f"      revision: {models[m].get('revision') or 'null'}\n" for m in served)
-    fleet.mkdir(parents=True, exist_ok=True)
     text = INIT_HEADER.format(fleet=args.dir) + f"overrides:\n  models:\n{pins}\n" + example
-    with target.open("x") as handle:
-        handle.write(text)
+    try:
+        fleet.mkdir(parents=True, exist_ok=True)
+        with target.open("x") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise Usage(f"{target}: cannot be written: {exc.strerror or exc}") from None
     print(f"donors: made {target} from the example. Next: edit it (your boxes, their "
           f"routes), then `donors --fleet {args.dir} pin` and `donors --fleet {args.dir} "
           "deploy --dry`")
@@ -267,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        _fleet(args.fleet)
+        if args.func is not cmd_init:       # init makes the fleet the others read
+            _fleet(args.fleet)
         return args.func(args)
     except DonorsError as exc:
         print(f"donors: {errors.one_line(exc)}", file=sys.stderr)
