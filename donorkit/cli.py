@@ -4,7 +4,8 @@ lock, accept, rollout, render_cli, tunnel_join; pyinfra for deploy and join, pyt
 The operator's data (donors.yml, pki/, results/, the caches, join files) lives in a fleet
 directory outside the checkout, `--fleet DIR` or $DONORS_FLEET (`donors init DIR` makes one);
 without one, the example inventory/donors.yml of this checkout is used (the testbed's, old
-scripts'). Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`,
+scripts'). The modules are imported by the action that needs them (`donors --help` stays
+instant). Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`,
 and the exit code of the table in `donors --help` (donorkit/errors.py); never a traceback."""
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Usage(DonorsError):
 def _fleet(value: str | None) -> None:
     """--fleet DIR (or $DONORS_FLEET): the operator's data directory, checked and exported so
     that every module and subprocess (pyinfra, pytest) reads the same inventory and paths."""
+    explicit = bool(value)
     value = value or os.environ.get(FLEET_ENV)
     if not value:
         return
@@ -49,7 +51,9 @@ def _fleet(value: str | None) -> None:
         raise Usage(f"{fleet}: not a fleet directory (no {FLEET_DONORS}): make one with "
                     f"`donors init {value}`")
     os.environ[FLEET_ENV] = str(fleet)
-    os.environ["DONORS_FILE"] = str(fleet / FLEET_DONORS)
+    # --fleet names the donors file too; $DONORS_FLEET leaves a $DONORS_FILE as paths.donors_file
+    if explicit or not os.environ.get("DONORS_FILE"):
+        os.environ["DONORS_FILE"] = str(fleet / FLEET_DONORS)
 
 
 def _inventory(limit: list[str] | None = None, *, sources: bool = False,
