@@ -212,3 +212,25 @@ def test_status_table_fits_100_columns(tmp_path: Path) -> None:
     assert narrow[3].startswith("hermes-4090 vllm-qwen: NO: xxx")   # why, under the table
     wide = render_table([row, edge]).splitlines()
     assert max(map(len, wide)) > 100 and "TORCH" in wide[0]
+
+
+def test_a_silent_ssh_port_is_one_line(tmp_path: Path) -> None:
+    """A box whose SSH port accepts and says nothing: pyinfra's one `SSH error` line for it, not
+    paramiko's traceback; the deploy exits 1 (a box failed, the input was fine)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)                 # the kernel completes the handshake; nobody speaks
+        fleet = tmp_path / "fleet"
+        (fleet / "plugin").mkdir(parents=True)
+        (fleet / "donors.yml").write_text(yaml.safe_dump({
+            "overrides": {"vllm_exl3_plugin": {"path": "plugin"},
+                          "models": {"qwen": {"revision": PIN}}},
+            "donors": {"box": {"ssh_host": "127.0.0.1", "ssh_port": silent.getsockname()[1],
+                               "ssh_user": "root", "card": "rtx4090",
+                               "routes": {"h.example.com": "qwen"}}}}))
+        result = donors("--fleet", str(fleet), "deploy", "--dry", "-y")
+    out = result.stdout + result.stderr
+    assert result.returncode == errors.FAILED, out
+    assert "Traceback" not in out and "paramiko" not in out, out
+    assert [line.strip() for line in out.splitlines() if "[box]" in line] == [
+        "[box] SSH error (No existing session)"], out
