@@ -213,8 +213,8 @@ def parser() -> argparse.ArgumentParser:
                           "default $DONORS_FLEET")
     sub = top.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    def action(name: str, summary: str, func, aliases: tuple[str, ...] = ()):
-        p = sub.add_parser(name, help=summary, description=summary, aliases=list(aliases))
+    def action(name: str, summary: str, func):
+        p = sub.add_parser(name, help=summary, description=summary)
         p.set_defaults(func=func)
         return p
 
@@ -237,11 +237,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="the wide table")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds for each connection (10)")
-    p = action("pin", "pin each served model's checkpoint to its branch's commit on the hub",
-               cmd_pin, aliases=("lock",))
-    p.add_argument("--branch", default="main", help="the branch or tag to pin (main)")
-    p.add_argument("--all", action="store_true", help="every model profile, served or not")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds per lookup (20)")
+    pin = action("pin", "pin each served model's checkpoint to a hub commit (or: lock)", cmd_pin)
+    # `lock`, the old name (make lock): the same action, not listed twice.
+    lock = sub.add_parser("lock", description=pin.description)
+    lock.set_defaults(func=cmd_pin)
+    for p in (pin, lock):
+        p.add_argument("--branch", default="main", help="the branch or tag to pin (main)")
+        p.add_argument("--all", action="store_true", help="every model profile, served or not")
+        p.add_argument("--timeout", type=float, default=20.0, help="seconds per lookup (20)")
     p = action("verify", "the verification suite against the fleet (pytest tests/verify)",
                cmd_verify)
     _limit(p)
@@ -252,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--via", metavar="URL", help="through this base URL (an edge)")
     p.add_argument("--results", metavar="DIR",
                    help="where records go (default: acceptance.results_dir)")
-    p = action("rollout", "the fleet a batch at a time, each back in service before the next",
+    p = action("rollout", "the fleet a batch at a time, each in service before the next",
                cmd_rollout)
     p.add_argument("--batch", type=int, help="boxes at a time (default: inventory data)")
     p.add_argument("--from", dest="start", metavar="HOST", help="resume from this box")
