@@ -53,6 +53,8 @@ def test_help_lists_every_action_and_the_exit_codes() -> None:
     assert result.returncode == 0, result.stderr
     listed = re.findall(r"^    ([a-z-]+)", result.stdout, re.MULTILINE)
     assert listed == ACTIONS, result.stdout
+    block = result.stdout.split("  ACTION\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(block) == len(ACTIONS), block      # one line each (at 80 columns)
     assert "(or: lock)" in result.stdout    # pin's old name, for `make lock`'s operators
     assert errors.EXIT_CODES in result.stdout
 
