@@ -83,7 +83,7 @@ from donorkit.acceptance import (
 )
 from donorkit.fleet import FleetError, load_inventory
 from donorkit.limit import LimitError, select
-from donorkit.paths import REPO_ROOT
+from donorkit.paths import operator_path
 from donorkit.pki import PkiError
 from donorkit.transport import (
     ForwardError,
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     first = next(iter(fleet.values()))
     results_dir = Path(args.results) if args.results else \
-        REPO_ROOT / first.acceptance.results_dir
+        operator_path(first.acceptance.results_dir)
     gone: dict[str, str] = {}
     records = asyncio.run(run(targets, results_dir, unreachable_out=gone))
     if records:

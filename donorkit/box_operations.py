@@ -19,7 +19,7 @@ from pyinfra.api import (
 from donorkit import wheel_cache
 from donorkit.box_facts import CaddyModules, CudaStack
 from donorkit.host_data import HostCard
-from donorkit.paths import repo_path
+from donorkit.paths import operator_path
 from donorkit.wheel_cache import Exllamav3Stack
 from pyinfra_declared.batched_facts import shell_glob
 from pyinfra_declared.decorator import fail, operation
@@ -169,7 +169,7 @@ def box_stack(build: Exllamav3Build, box: dict, cuda: dict) -> BoxStack:
     wheel = wheel_cache.wheel_name(build.version, facts["abi"], facts["machine"])
     remote_dir = f"{build.box_dir}/{stack_id}"
     return BoxStack(key=key, id=stack_id, wheel=wheel,
-                    entry=repo_path(build.cache_dir) / "exllamav3" / stack_id,
+                    entry=operator_path(build.cache_dir) / "exllamav3" / stack_id,
                     remote_dir=remote_dir, remote_wheel=f"{remote_dir}/{wheel}",
                     installed=box["installed"] == key,
                     on_box=f"{stack_id}/{wheel}" in box.get("wheels", []))

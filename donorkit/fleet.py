@@ -6,7 +6,6 @@ file, the entry and the field, raised before any connection is made.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from donorkit.host_data import (
 )
 from donorkit.host_software import RequirementsFileError, driver_minimum, venv_install
 from donorkit.inventory_files import FleetError, check_strings, label, read_yaml, short, validate
-from donorkit.paths import REPO_ROOT, repo_path
+from donorkit.paths import REPO_ROOT, donors_file, operator_path
 from donorkit.pki import OPERATOR_CLIENT
 from donorkit.schema import PluginPath
 
@@ -35,8 +34,9 @@ DONORS_FILE = REPO_ROOT / "inventory" / "donors.yml"
 
 
 def plugin_local_path(source: PluginPath) -> Path:
-    """The plugin's directory on the operator's machine (relative paths: from the repo root)."""
-    return repo_path(source.path)
+    """The plugin's directory on the operator's machine (relative paths: from the fleet
+    directory, or the repo root without one)."""
+    return operator_path(source.path)
 
 
 # What gives a private key away, in the first bytes of a file (PEM, OpenSSH, PuTTY).
@@ -48,7 +48,7 @@ def token_file_problem(value: str | None) -> str | None:
     file that holds a private key (a file not there yet is the weights step's to report)."""
     if not value:
         return None
-    resolved = repo_path(value)
+    resolved = operator_path(value)
     if ".ssh" in Path(value).parts or ".ssh" in resolved.parts:
         return (f"{value} is under an .ssh directory: SSH keys are never uploaded (the token "
                 "file goes to every donor)")
@@ -79,13 +79,13 @@ def _merged(defaults: dict, override: Any, where: str, origin: str
 
 def _ssh_data(entry: schema.Donor | schema.Edge, hostname: str | None = None
               ) -> dict[str, Any]:
-    """pyinfra's SSH keys; relative key paths are relative to the repo root, like everything
-    else. `hostname`: a tunnelled donor's tunnel address (it has no ssh_host)."""
+    """pyinfra's SSH keys; relative key paths are the operator's (paths.operator_path), like
+    pki_dir. `hostname`: a tunnelled donor's tunnel address (it has no ssh_host)."""
     return {"ssh_hostname": hostname or entry.ssh_host, "ssh_user": entry.ssh_user,
             "ssh_port": entry.ssh_port,
-            "ssh_key": None if entry.ssh_key is None else str(repo_path(entry.ssh_key)),
+            "ssh_key": None if entry.ssh_key is None else str(operator_path(entry.ssh_key)),
             "ssh_known_hosts_file": (None if entry.ssh_known_hosts_file is None
-                                     else str(repo_path(entry.ssh_known_hosts_file)))}
+                                     else str(operator_path(entry.ssh_known_hosts_file)))}
 
 
 def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.Defaults,
@@ -253,7 +253,7 @@ def load_inventory(donors_path: Path | str | None = None,
                    ) -> tuple[dict[str, DonorBox], dict[str, EdgeBox]]:
     """Return ({donor name: host data}, {edge name: host data}); raise FleetError on any
     mistake in either file."""
-    donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
+    donors_path = Path(donors_path or donors_file())
     defaults_path = Path(defaults_path or DEFAULTS_FILE)
     defaults = read_yaml(defaults_path)
     if not isinstance(defaults, dict):
@@ -331,9 +331,15 @@ def load_inventory(donors_path: Path | str | None = None,
             # A cpu engine installs no plugin (deploy.py): its source is not needed.
             if box.cuda_engine and isinstance(source, PluginPath) \
                     and not plugin_local_path(source).is_dir():
-                raise FleetError(f"{donors_path}: donor '{name}': field 'vllm_exl3_plugin': "
-                                 f"local path {plugin_local_path(source)} does not exist on "
-                                 "this machine")
+                own = inventory.donors[name].get("overrides") or {}
+                where = (f"{donors_path}: donor '{name}': field 'overrides.vllm_exl3_plugin'"
+                         if "vllm_exl3_plugin" in own else
+                         f"{donors_path}: field 'overrides.vllm_exl3_plugin'"
+                         if "vllm_exl3_plugin" in inventory.overrides else
+                         f"{defaults_path}: field 'vllm_exl3_plugin' (donor '{name}')")
+                raise FleetError(f"{where}: local path {plugin_local_path(source)} does not "
+                                 "exist on this machine: the vllm-exl3 plugin's checkout (README "
+                                 "\"Prerequisites\"), or set {git_url, ref} instead")
     return fleet, edges
 
 
@@ -342,11 +348,11 @@ def check_revisions(fleet: dict[str, DonorBox], donors_path: Path | str | None =
     one FleetError naming the donors file, the donor and the field: refused before any
     connection, not at the weights step after CUDA, vLLM and exllamav3 were installed. A
     checkpoint that is a path on the box has no revision."""
-    where = donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE
+    where = donors_path or donors_file()
     for name, box in fleet.items():
         for model in box.models.values():
             if model.pinned:
                 continue
             raise FleetError(f"{where}: donor '{name}': field 'models.{model.name}.revision': "
-                             f"not pinned: `make lock` resolves {model.checkpoint} at its "
+                             f"not pinned: `donors pin` resolves {model.checkpoint} at its "
                              "branch (main) to its commit and writes it in")

@@ -8,7 +8,7 @@ from typing import Any
 
 from donorkit.fleet import FleetError, check_revisions, load_inventory
 from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import pki_dir, repo_path
+from donorkit.paths import operator_path, pki_dir
 from donorkit.pki import Pki, PkiError
 from donorkit.tunnel import write_ssh_config
 from pyinfra_declared import ssh_socket
@@ -61,7 +61,7 @@ def pyinfra_groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox] | None 
         if box.ssh_proxy_command:
             # A home donor: SSH to its tunnel address through an edge (a ProxyJump in an
             # ssh_config file: pyinfra's public `ssh_config_file` host data).
-            data["ssh_config_file"] = write_ssh_config(box, repo_path(SSH_CONFIG_DIR))
+            data["ssh_config_file"] = write_ssh_config(box, operator_path(SSH_CONFIG_DIR))
         groups["donors"].append((name, data))
         groups.setdefault(box.card.name, []).append((name, data))
     for name, edge in (edges or {}).items():

@@ -16,9 +16,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from donorkit import values
+from donorkit.errors import DonorsError
 
 
-class FleetError(Exception):
+class FleetError(DonorsError):
     """A mistake in the inventory data; the message names file, entry and field."""
 
 

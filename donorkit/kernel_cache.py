@@ -57,7 +57,7 @@ from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand
 
 from donorkit import wheel_cache
 from donorkit.box_facts import CudaStack
-from donorkit.paths import repo_path
+from donorkit.paths import operator_path
 from pyinfra_declared.batched_facts import VenvDistributions, first, sections, shell_glob
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
@@ -180,7 +180,7 @@ def kernel_stack(kernels: UnitKernels, box: dict, venv: dict, cuda: dict) -> Ker
     key = stack_key(kernels, venv, cuda["nvcc"], box["machine"])
     stack_id = hashlib.sha256(key.encode()).hexdigest()[:16]
     return KernelStack(key=key, id=stack_id,
-                       entry=repo_path(kernels.cache_dir) / stack_id)
+                       entry=operator_path(kernels.cache_dir) / stack_id)
 
 
 def member_problem(member: tarfile.TarInfo) -> str | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatch
 
+from donorkit.errors import DonorsError
 from donorkit.host_data import DonorBox, EdgeBox
 
 
-class LimitError(ValueError):
+class LimitError(DonorsError, ValueError):
     """A pattern that matches no host; the message is the one line to print."""
 
 

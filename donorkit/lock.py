@@ -1,4 +1,4 @@
-"""`make lock [BRANCH=main] [ALL=1]`: pin every served model's checkpoint to a commit.
+"""`donors pin [--branch main] [--all]`: pin every served model's checkpoint to a commit.
 
     .venv/bin/python -m donorkit.lock [--branch main] [--all] [--donors FILE]
 
@@ -22,7 +22,6 @@ trickles bytes is given up at the deadline), and the commit must be exactly 40 h
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -31,15 +30,15 @@ from urllib.parse import quote, urlsplit
 
 import yaml
 
+from donorkit.errors import DonorsError
 from donorkit.fleet import (
     DEFAULTS_FILE,
-    DONORS_FILE,
     FleetError,
     load_inventory,
     read_yaml,
     token_file_problem,
 )
-from donorkit.paths import REPO_ROOT, repo_path
+from donorkit.paths import REPO_ROOT, donors_file, operator_path
 from donorkit.schema import deep_merge
 from donorkit.serving import COMMIT
 from donorkit.transport import capped_transport, shown, within
@@ -49,7 +48,7 @@ from donorkit.transport import capped_transport, shown, within
 HUB_ANSWER_LIMIT = 512 << 10
 
 
-class LockError(Exception):
+class LockError(DonorsError):
     """One line to print: what could not be resolved or written, and why."""
 
 
@@ -106,7 +105,7 @@ def plan(donors_path: Path | str | None = None, defaults_path: Path | str | None
          every_profile: bool = False) -> list[Pin]:
     """The pins to resolve, one per (file, model mapping); FleetError on a bad inventory."""
     fleet, _ = load_inventory(donors_path, defaults_path)
-    donors_path = Path(donors_path or os.environ.get("DONORS_FILE") or DONORS_FILE)
+    donors_path = Path(donors_path or donors_file())
     defaults_path = Path(defaults_path or DEFAULTS_FILE)
     doc, defaults = read_yaml(donors_path), read_yaml(defaults_path)
     pins: dict[tuple[Path, tuple[str, ...]], Pin] = {}
@@ -202,7 +201,7 @@ def _commit(pin: Pin, branch: str, timeout: float) -> str:
         if problem:
             raise LockError(f"hf_token_file: {problem}")
         try:
-            token = repo_path(pin.token_file).read_text().strip()
+            token = operator_path(pin.token_file).read_text().strip()
         except OSError as exc:
             raise LockError(f"hf_token_file {pin.token_file}: {exc.strerror}") from None
     try:

@@ -29,6 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from donorkit.errors import DonorsError
+
 CA_DAYS = 3650
 SERVER_DAYS = 365
 # The operator's own client certificate (pki_dir/edges/operator-accept.*): `make accept`, the
@@ -76,7 +78,7 @@ def ca_fingerprint(pem: str) -> str:
     return x509.load_pem_x509_certificate(pem.encode()).fingerprint(hashes.SHA256()).hex()
 
 
-class PkiError(Exception):
+class PkiError(DonorsError):
     """The CA on this machine is not usable as it is; the message says what to do."""
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from donorkit.errors import DonorsError
 from donorkit.host_data import DonorBox, EdgeBox, ServedModel
 from donorkit.paths import REPO_ROOT, pki_dir
 from donorkit.pki import OPERATOR_CLIENT, Pki
@@ -366,7 +367,7 @@ def render_edge(data: EdgeBox) -> list[RenderedFile]:
     return files
 
 
-class OutExists(Exception):
+class OutExists(DonorsError):
     """`make render`'s OUT is already there (one line for the operator)."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from donorkit import values
+from donorkit.errors import DonorsError
 from donorkit.host_data import DonorBox, EdgeBox
 from donorkit.paths import REPO_ROOT
 
@@ -181,7 +182,7 @@ def new_holder() -> str:
             f"({secrets.token_hex(4)})")
 
 
-class RolloutLocked(Exception):
+class RolloutLocked(DonorsError):
     """Another rollout holds a box's lock; the message is the one line to print."""
 
 

@@ -1,4 +1,4 @@
-"""`make status [LIMIT=...] [JSON=1]`: what every box serves right now, one row each.
+"""`donors status [--limit P] [--json] [-v]`: what every box serves right now, one row each.
 
     .venv/bin/python -m donorkit.status [--limit PATTERN] [--json] [--donors FILE]
 
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="names, groups (donors, edges, a card profile) or globs, as "
                              "pyinfra's --limit (repeatable, or a comma list)")
     parser.add_argument("--json", action="store_true", help="one JSON document")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every column (the default table fits 100 columns)")
     parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
                                          "inventory/donors.yml)")
     parser.add_argument("--timeout", type=float, default=10.0,
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"hosts": rows, "problems": failed, "ok": not failed}, indent=2))
     else:
-        print(render_table(rows))
+        print(render_table(rows, wide=args.verbose))
         gone = sum(bool(r.get("unreachable")) for r in rows)
         not_ready = len(failed) - gone
         print(f"status: {len(rows)} boxes in {time.monotonic() - started:.1f} s: "

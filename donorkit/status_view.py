@@ -9,6 +9,12 @@ DONOR_COLUMNS = ["DONOR", "CARD", "DRIVER", "GPU MEM", "UTIL", "UNIT", "SINCE",
                  "MODEL @ REVISION", "READY", "DRAINED", "RUN/WAIT", "KV", "VLLM", "TORCH",
                  "TOOLKIT", "CERT UNTIL"]
 EDGE_COLUMNS = ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+# The narrow table (the default of `donors status`; -v: the wide one above), within 100 columns
+# for a fleet's usual names: what answers "is it serving, which revision, how loaded".
+NARROW_DONOR = ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY", "RUN/WAIT", "KV"]
+NARROW_EDGE = ["EDGE", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+_NARROW_DONOR_CELLS = [DONOR_COLUMNS.index(c) for c in ("DONOR", "CARD", "UNIT", "SINCE")]
+CELL = 20   # a narrow cell longer than this is cut, with "~"
 
 
 def duration(seconds: float | None) -> str:
@@ -102,16 +108,51 @@ def unreachable_line(row: dict) -> str:
     return f"{row['name']}: UNREACHABLE ({row['role']}, {row['address']}): {row['unreachable']}"
 
 
-def render_table(rows: list[dict]) -> str:
-    """The donors' table, the edges' table, then one line per unreachable box."""
+def _cut(text: str, width: int = CELL) -> str:
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def narrow_donor_rows(row: dict) -> list[list[str]]:
+    """donor_rows' cells that fit a terminal: the card without its vendor words, the unit by
+    its model, the revision alone (12 hex, `!` when it is not the inventory's pin), READY yes
+    or NO (why: a line under the table, not_ready_lines)."""
+    out = []
+    for line, model in zip(donor_rows(row), row.get("models", []) or [{}], strict=True):
+        name, card, unit, since = (line[i] for i in _NARROW_DONOR_CELLS)
+        card = card.replace("NVIDIA ", "").replace("GeForce ", "")
+        revision = (model.get("revision") or "none")[:12] if model else "-"
+        if model and model.get("revision") != model.get("pinned"):
+            revision += "!"
+        ready = "yes" if model.get("ready") else "NO" if model else "-"
+        out.append([_cut(name), _cut(card, 12), _cut(unit.removeprefix("vllm-")), since,
+                    revision, ready, line[DONOR_COLUMNS.index("RUN/WAIT")],
+                    line[DONOR_COLUMNS.index("KV")]])
+    return out
+
+
+def not_ready_lines(rows: list[dict]) -> list[str]:
+    """Under the narrow table: why each model marked NO is not ready (its own line)."""
+    return [f"{row['name']} {model.get('unit', '').removesuffix('.service')}: "
+            f"{ready_cell(model)}" for row in rows for model in row.get("models", []) or []
+            if not model.get("ready")]
+
+
+def render_table(rows: list[dict], wide: bool = True) -> str:
+    """The donors' table, the edges' table, then one line per unreachable box. `wide`: every
+    column; else the narrow one (a revision marked `!` is not the inventory's pin)."""
     out: list[str] = []
     donors = [r for r in rows if r["role"] == "donor" and not r.get("unreachable")]
     edges = [r for r in rows if r["role"] == "edge" and not r.get("unreachable")]
     if donors:
-        out += table(DONOR_COLUMNS, [line for r in donors for line in donor_rows(r)])
+        out += (table(DONOR_COLUMNS, [line for r in donors for line in donor_rows(r)]) if wide
+                else table(NARROW_DONOR, [line for r in donors for line in narrow_donor_rows(r)])
+                + not_ready_lines(donors))
     edge_lines = [line for r in edges for line in edge_rows(r)]
+    if edge_lines and not wide:
+        edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4].split(" (")[0]), line[5],
+                       line[6]] for line in edge_lines]
     if edge_lines:
-        out += ([""] if out else []) + table(EDGE_COLUMNS, edge_lines)
+        out += ([""] if out else []) + table(EDGE_COLUMNS if wide else NARROW_EDGE, edge_lines)
     gone = [unreachable_line(r) for r in rows if r.get("unreachable")]
     if gone:
         out += ([""] if out else []) + gone

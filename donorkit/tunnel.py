@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, Field
 
+from donorkit.errors import DonorsError
 from donorkit.values import SshHost, box_identity
 
 if TYPE_CHECKING:  # donorkit.schema imports this module's value types: host_data imports schema
@@ -150,7 +151,7 @@ TunnelEndpoint = Annotated[str, AfterValidator(_endpoint)]
 # ------------------------------------------------------------------ the plan -----------------
 
 
-class TunnelError(Exception):
+class TunnelError(DonorsError):
     """A mistake in the tunnel data: (where, field, problem), turned into one line by fleet.py."""
 
     def __init__(self, where: str, field: str, problem: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import PurePosixPath
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.paths import repo_path
+from donorkit.paths import operator_path, repo_path
 from donorkit.render import hub_cache
 from donorkit.serving import (
     hf_token_path,
@@ -45,7 +45,7 @@ def apply() -> None:
         token_file = hf_token_path(root)
         token_dir = str(PurePosixPath(token_file).parent)
         try:
-            token = repo_path(host.data.hf_token_file).read_text()
+            token = operator_path(host.data.hf_token_file).read_text()
         except OSError as e:
             token_error = f"hf_token_file {host.data.hf_token_file}: {e.strerror}"
         else:

@@ -155,7 +155,7 @@ def test_the_loader_refuses_a_donor_whose_model_has_no_revision(tmp_path) -> Non
     with pytest.raises(FleetError) as err:
         check_revisions(fleet, path)
     assert str(err.value) == (
-        f"{path}: donor 'box-a': field 'models.qwen.revision': not pinned: `make lock` "
+        f"{path}: donor 'box-a': field 'models.qwen.revision': not pinned: `donors pin` "
         f"resolves {QWEN} at its branch (main) to its commit and writes it in")
     # The deploy's own entry point: one line, exit 2, before any connection.
     result = subprocess.run([str(Path(sys.executable).parent / "pyinfra"), "inventory/gpus.py",
