@@ -12,8 +12,9 @@ Per donor and model identity it serves (the first public hostname routed to it):
   well-formed call of the expected function with the expected arguments.
 
 Token counts are what this client received, not what the donor says (its `usage` is the box
-owner's word): one streamed chunk per generated token (vLLM sends one per token; the role chunk
-that opens a stream carries none), so the figures come from the chunks' arrival, and a donor
+owner's word): the tokens the streamed chunks delivered (their token ids, which vLLM sends with
+each chunk when asked; a chunk without them counts one), so the figures come from their arrival,
+a stream that delivers more than was asked for fails, and a donor
 claiming more completion tokens than it streamed (beyond a small slack), or more prompt tokens
 than the characters it was sent, fails the required check `usage`. Everything a donor sends is
 capped in bytes and in time per request (donorkit/transport.py), and every field of it recorded
@@ -138,18 +139,24 @@ def _long_prompt(chars: int) -> str:
     return head + " ".join(words)[: max(chars - len(head), 1)]
 
 
-def _carries_token(chunk: Any) -> bool:
-    """Whether a streamed chunk carries a generated token: a choice whose delta is not the
-    role chunk that opens vLLM's streams (role set, no text). vLLM sends one chunk per token,
-    also for a token whose text is still incomplete (an empty delta); with `return_token_ids`
-    (asked for) also where a tool or reasoning parser holds the text back."""
+def _tokens_in(chunk: Any) -> int:
+    """How many generated tokens a streamed chunk carries. With `return_token_ids` (asked for)
+    vLLM puts the ids of the tokens a chunk delivers on its choice (`token_ids`: vLLM 0.26.0's
+    chat_completion/protocol.py); a chunk may carry several when the engine outpaced this
+    client (serving.py adds len(output.token_ids) a chunk), also where a tool or reasoning
+    parser holds the text back. Without ids, a chunk with a delta is one token (not the role
+    chunk that opens vLLM's streams: role set, no text)."""
     choices = getattr(chunk, "choices", None) or []
     if not isinstance(choices, list) or not choices:
-        return False
+        return 0
+    ids = getattr(choices[0], "token_ids", None)
+    if isinstance(ids, list) and ids and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return len(ids)
     delta = getattr(choices[0], "delta", None)
     if delta is None:
-        return False
-    return not (getattr(delta, "role", None) and not getattr(delta, "content", None))
+        return 0
+    return int(not (getattr(delta, "role", None) and not getattr(delta, "content", None)))
 
 
 def _count(usage: Any, field: str) -> int:
@@ -161,8 +168,8 @@ def _count(usage: Any, field: str) -> int:
 
 
 async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming chat request, timed and counted from the chunks received (one per token:
-    _carries_token); the donor's own usage (a vLLM extension, in every chunk) is recorded as
+    """One streaming chat request, timed and counted from the tokens the chunks delivered
+    (_tokens_in); the donor's own usage (a vLLM extension, in every chunk) is recorded as
     what it claims, for the `usage` check."""
     started = time.monotonic()
     first = last = None
@@ -177,14 +184,17 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> dict:
         chunks, tail = chunks + 1, chunk
         if chunk.usage is not None:
             usage = chunk.usage
-        if _carries_token(chunk):
-            received += 1
+        tokens = _tokens_in(chunk)
+        if tokens:
+            received += tokens
             last = time.monotonic()
             first = first or last
     if usage is None or first is None:
         carried = json.dumps(tail.model_dump(exclude_none=True))[:300] if tail else "nothing"
         raise RuntimeError(f"the stream carried no usage (is this vLLM?): {chunks} chunk(s), "
                            f"the last {carried}")
+    if received > max_tokens:
+        raise RuntimeError(f"the stream delivered {received} tokens, {max_tokens} were asked for")
     return {"prompt_tokens": _count(usage, "prompt_tokens"),
             "completion_tokens": _count(usage, "completion_tokens"),
             "received_tokens": received, "prompt_chars": len(prompt),

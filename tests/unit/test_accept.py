@@ -390,6 +390,18 @@ def test_an_honest_donors_usage_matches_what_was_received() -> None:
     assert _accepted(out) == []
 
 
+def test_tokens_merged_into_one_chunk_are_counted_by_their_ids() -> None:
+    """vLLM sends several tokens in one chunk when the engine outpaces the client (the real CPU
+    engine's concurrent streams did: 32 tokens in 21 chunks): each chunk's token ids count,
+    so an honest donor still passes; counting chunks would have failed it."""
+    out = measure_standin({"VLLM_STANDIN_TOKENS_PER_CHUNK": "3"})
+    usage = out["checks"]["usage"]
+    assert usage["ok"] and usage["problem"] is None
+    assert usage["claimed_completion_tokens"] == usage["received_tokens"] == 8 + 1 + 2 * 4
+    assert out["details"]["chat"]["received_tokens"] == 8
+    assert _accepted(out) == []
+
+
 def test_a_donor_inflating_its_usage_fails_acceptance() -> None:
     """A stand-in donor claiming three times the tokens it streams: the figures are still
     what was received (its decode rate is not tripled), and the usage check fails with one
