@@ -228,6 +228,7 @@ class Settings(Strict):
     exllamav3_patches: list[LocalPath]
     exllamav3_wheel_cache: LocalPath
     engine_kernel_cache: LocalPath
+    kernel_prebuild: bool                   # FlashInfer's kernels built before a first start
     kernel_prebuild_gib_per_job: Annotated[float, Field(gt=0, le=1024)]  # sizes MAX_JOBS
     kernel_prebuild_reserve_gib: Annotated[float, Field(ge=0, le=1024)]  # kept free meanwhile
     vllm_exl3_plugin: PluginPath | PluginGit

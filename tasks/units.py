@@ -46,6 +46,7 @@ def apply() -> None:
 
     gate = f"{install_root}/bin/wait_ready.py"
     prebuild = f"{install_root}/bin/prebuild_kernels.py"
+    prebuild_on = box.cuda_engine and host.data.kernel_prebuild
     for unit in host.data.retired_units:
         retired_unit(name=f"Remove {unit} (model not served here)", unit=unit,
                      unit_path=f"{UNIT_DIR}/{unit}")
@@ -59,7 +60,7 @@ def apply() -> None:
         files=[ConfigFile(content=repo_path("files/wait_ready.py").read_text(), dest=gate,
                           mode="755"),
                *([ConfigFile(content=repo_path("files/prebuild_kernels.py").read_text(),
-                             dest=prebuild, mode="755")] if box.cuda_engine else []),
+                             dest=prebuild, mode="755")] if prebuild_on else []),
                *(ConfigFile(content=rendered[model.unit],
                             dest=f"{UNIT_DIR}/{model.unit}", validate=VERIFY_UNIT)
                  for model in models)])
@@ -78,6 +79,7 @@ def apply() -> None:
                 builders=tuple(box.cache_builders))
             ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
+        if kernels and prebuild_on:
             # What the stack still lacks, built outside the unit's cgroup (donorkit/prebuild.py).
             prebuild_kernels(
                 name=f"Kernels for {model.unit}: FlashInfer's, built before it starts",
