@@ -16,11 +16,11 @@ from pyinfra.api import (
     StringCommand,
 )
 
-from donorkit import wheel_cache
-from donorkit.box_facts import CaddyModules, CudaStack
-from donorkit.host_data import HostCard
-from donorkit.paths import operator_path
-from donorkit.wheel_cache import Exllamav3Stack
+from donorkit.box import wheel_cache
+from donorkit.box.box_facts import CaddyModules, CudaStack
+from donorkit.box.wheel_cache import Exllamav3Stack
+from donorkit.inventory.host_data import HostCard
+from donorkit.inventory.paths import operator_path
 from pyinfra_declared.batched_facts import shell_glob
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
@@ -130,7 +130,7 @@ class Exllamav3Build:
     box_dir: str  # on the box: <stack id>/<wheel> and its sha256 sidecar
     cache_dir: str  # on the operator's machine
     # The inventory's cache builders (DonorBox.cache_builders): only they copy a wheel back,
-    # and only their wheels go to other boxes (donorkit/wheel_cache.py).
+    # and only their wheels go to other boxes (donorkit/box/wheel_cache.py).
     builders: tuple[str, ...] = ()
 
 

@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from donorkit.fleet import FleetError, check_revisions, load_inventory
-from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import operator_path, pki_dir
-from donorkit.pki import Pki, PkiError
-from donorkit.tunnel import write_ssh_config
+from donorkit.inventory.fleet import FleetError, check_revisions, load_inventory
+from donorkit.inventory.host_data import DonorBox, EdgeBox
+from donorkit.inventory.limit import groups
+from donorkit.inventory.paths import operator_path, pki_dir
+from donorkit.inventory.pki import Pki, PkiError
+from donorkit.render.tunnel_files import write_ssh_config
 from pyinfra_declared import ssh_socket
 
 # Where the inventory writes each home donor's ssh_config (git-ignored).
@@ -52,19 +53,17 @@ def pyinfra_groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox] | None 
     (the front doors; deploy.py gives them the edge's tasks only). Each host's SSH sockets get
     pyinfra_declared.ssh_socket's options, through pyinfra's own `ssh_paramiko_connect_kwargs`
     (`connect_kwargs` replaces them: the benchmark's stock run). A host's data is its typed
-    model's fields (donorkit/host_data.py: `pyinfra_data`)."""
+    model's fields (donorkit/inventory/host_data.py: `pyinfra_data`)."""
     if connect_kwargs is None:
         connect_kwargs = ssh_socket.connect_kwargs()
-    groups: dict[str, list[tuple[str, dict]]] = {"donors": [], "edges": []}
+    data: dict[str, dict] = {}
     for name, box in fleet.items():
-        data = {**box.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
+        data[name] = {**box.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
         if box.ssh_proxy_command:
             # A home donor: SSH to its tunnel address through an edge (a ProxyJump in an
             # ssh_config file: pyinfra's public `ssh_config_file` host data).
-            data["ssh_config_file"] = write_ssh_config(box, operator_path(SSH_CONFIG_DIR))
-        groups["donors"].append((name, data))
-        groups.setdefault(box.card.name, []).append((name, data))
+            data[name]["ssh_config_file"] = write_ssh_config(box, operator_path(SSH_CONFIG_DIR))
     for name, edge in (edges or {}).items():
-        data = {**edge.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
-        groups["edges"].append((name, data))
-    return groups
+        data[name] = {**edge.pyinfra_data(), "ssh_paramiko_connect_kwargs": connect_kwargs}
+    return {group: [(name, data[name]) for name in names]
+            for group, names in groups(fleet, edges or {}).items()}

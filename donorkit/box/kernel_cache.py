@@ -27,7 +27,7 @@ git-ignored `engine_kernel_cache`):
 
     <cache>/<stack id>/kernels.tar, kernels.tar.sha256 (sha256sum output), stack.txt
 
-Entries are made as the exllamav3 wheel's are (donorkit.wheel_cache: each box downloads under
+Entries are made as the exllamav3 wheel's are (donorkit.box.wheel_cache: each box downloads under
 its own temporary names, the sidecar is renamed in last under a lock, the first whole copy wins),
 and trusted as they are: only a cache builder (`cache_builder: true`, never a volunteer's box)
 copies its kernels back, and an entry goes to another box only while the box recorded in its
@@ -55,9 +55,9 @@ from pathlib import Path, PurePosixPath
 from pyinfra import host
 from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand
 
-from donorkit import wheel_cache
-from donorkit.box_facts import CudaStack
-from donorkit.paths import operator_path
+from donorkit.box import wheel_cache
+from donorkit.box.box_facts import CudaStack
+from donorkit.inventory.paths import operator_path
 from pyinfra_declared.batched_facts import VenvDistributions, first, sections, shell_glob
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need

@@ -5,7 +5,7 @@ box's memory (defaults.yml kernel_prebuild_*). Measured on the lent H200 (docs/g
 modules the qwen unit needs in 115 s with 16 jobs, and the engine's own first start then built
 none and peaked at 12.1 GiB, under MemoryMax=16G.
 
-Once per stack: a stamp records the stack the kernels were built for (donorkit/kernel_cache.py's
+Once per stack: a stamp records the stack the kernels were built for (donorkit/box/kernel_cache.py's
 key); a box given the stack's kernels by ship_kernels finds them there and builds nothing."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import PurePosixPath
 from pyinfra import host
 from pyinfra.api import FunctionCommand
 
-from donorkit.box_facts import CudaStack
-from donorkit.kernel_cache import EngineKernels, UnitKernels, kernel_stack
-from donorkit.render import hub_cache
-from donorkit.serving import _streamed
+from donorkit.box.box_facts import CudaStack
+from donorkit.box.kernel_cache import EngineKernels, UnitKernels, kernel_stack
+from donorkit.box.serving import streamed
+from donorkit.render.templates import hub_cache
 from pyinfra_declared.batched_facts import VenvDistributions
 from pyinfra_declared.decorator import operation
 from pyinfra_declared.snapshot import need
@@ -64,6 +64,6 @@ def prebuild_kernels(kernels: UnitKernels, command: str, box: dict, venv: dict, 
         host.noop(f"FlashInfer kernels of {kernels.unit} (stack {stack.id}) built")
         return
     stamp = q(prebuild_stamp(kernels))
-    yield FunctionCommand(_streamed, (command,), {})
+    yield FunctionCommand(streamed, (command,), {})
     yield (f"mkdir -p {q(str(PurePosixPath(prebuild_stamp(kernels)).parent))} && "
            f"printf '%s\\n' {q(stack.key)} > {stamp}.tmp && mv {stamp}.tmp {stamp}")

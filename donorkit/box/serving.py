@@ -12,7 +12,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, StringCommand
 
-from donorkit.render import hf_home
+from donorkit.render.templates import hf_home
 from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
 
@@ -76,7 +76,7 @@ class ModelsListed(FactBase):
         return None
 
 
-def _streamed(state, host, command: str) -> bool:
+def streamed(state, host, command: str) -> bool:
     """Run `command` on the host with its output shown line by line as it comes."""
     status, _ = host.run_shell_command(StringCommand(command), print_output=True,
                                        _sudo=bool(host.data.get("_sudo")))
@@ -112,7 +112,7 @@ def model_weights(model: str, repo: str, revision: str | None, python: str, scri
         # Root's file (tasks/weights.py), opened by this root shell before runuser: the fetch
         # reads the token on stdin; the service user (vLLM's) cannot open the file itself.
         command += f" --token-stdin < {q(token_file)}"
-    yield FunctionCommand(_streamed, (command,), {})
+    yield FunctionCommand(streamed, (command,), {})
 
 
 @operation(listed=lambda op: need(ModelsListed, port=op.port))
@@ -124,7 +124,7 @@ def ready_gate(unit: str, port: int, checkpoint: str, python: str, script: str,
     if listed and checkpoint in listed:
         host.noop(f"{unit} lists {checkpoint}")
         return
-    yield FunctionCommand(_streamed, (
+    yield FunctionCommand(streamed, (
         f"{q(python)} -I -S {q(script)} --unit {q(unit)} --port {int(port)} "
         f"--model {q(checkpoint)} --timeout {float(timeout):g} "
         f"--journal-lines {int(journal_lines)}",), {})

@@ -48,8 +48,8 @@ from pathlib import Path
 
 from pyinfra.api import FactBase, FileDownloadCommand
 
-from donorkit.paths import repo_path
-from donorkit.transport import AnswerTooLarge
+from donorkit.inventory.errors import AnswerTooLarge
+from donorkit.inventory.paths import repo_path
 from pyinfra_declared.batched_facts import first, sections
 
 

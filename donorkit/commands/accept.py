@@ -1,7 +1,7 @@
 """Acceptance of donors (`make accept [LIMIT=host]`): what each box delivers, measured through its
 public hostname with the OpenAI Python client (what the network's users run), recorded, and
 compared with its card's baseline. This module measures and is the command line; what does not
-touch the network (targets, tool cases, the record, the comparison) is donorkit/acceptance.py.
+touch the network (targets, tool cases, the record, the comparison) is donorkit/commands/accept_records.py.
 
 Per donor and model identity it serves (the first public hostname routed to it):
 - `/v1/models` lists the checkpoint with the configured `max_model_len`; `/version`;
@@ -17,7 +17,7 @@ each chunk when asked; a chunk without them counts one), so the figures come fro
 a stream that delivers more than was asked for fails, and a donor
 claiming more completion tokens than it streamed (beyond a small slack), or more prompt tokens
 than the characters it was sent, fails the required check `usage`. Everything a donor sends is
-capped in bytes and in time per request (donorkit/transport.py), and every field of it recorded
+capped in bytes and in time per request (donorkit/commands/transport.py), and every field of it recorded
 or printed is bounded and escaped (transport.shown).
 
 Each long prompt starts with a fresh random line, so vLLM's prefix cache cannot serve it. Prompt
@@ -64,7 +64,7 @@ from typing import Any
 import httpx2
 from pydantic import ValidationError
 
-from donorkit.acceptance import (
+from donorkit.commands.accept_records import (
     TOOL_CASES,
     TOOL_CHOICE_FLAG,
     TOOLS,
@@ -82,11 +82,7 @@ from donorkit.acceptance import (
     targets_from_fleet,
     usage_problem,
 )
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.limit import LimitError, select
-from donorkit.paths import operator_path
-from donorkit.pki import PkiError
-from donorkit.transport import (
+from donorkit.commands.transport import (
     ForwardError,
     PinnedHTTPS,
     SshForward,
@@ -94,6 +90,10 @@ from donorkit.transport import (
     client_context,
     shown,
 )
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.limit import LimitError, select
+from donorkit.inventory.paths import operator_path
+from donorkit.inventory.pki import PkiError
 
 
 def _client(target: Target) -> tuple[Any, httpx2.AsyncClient]:

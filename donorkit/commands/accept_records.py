@@ -1,5 +1,5 @@
-"""The pure half of `make accept` (donorkit/accept.py is the measuring and the command line):
-the tool-call cases (data: donorkit/tool_cases.yml) and their check, which way each donor is
+"""The pure half of `make accept` (donorkit/commands/accept.py is the measuring and the command line):
+the tool-call cases (data: donorkit/commands/tool_cases.yml) and their check, which way each donor is
 reached (targets), the record as a model, the comparison with the card's baseline and the
 failures it names, and the summary table. Nothing here opens a connection."""
 
@@ -14,11 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from donorkit.card_profiles import Baseline, CardAcceptance, Workload
-from donorkit.host_data import DonorBox, EdgeBox, SshJump
-from donorkit.paths import pki_dir
-from donorkit.pki import OPERATOR_CLIENT
-from donorkit.render import pki_for
+from donorkit.inventory.card_profiles import Baseline, CardAcceptance, Workload
+from donorkit.inventory.host_data import DonorBox, EdgeBox, SshJump
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT
+from donorkit.render.templates import pki_for
 
 RECORD_VERSION = 1
 TOOL_CASES_FILE = Path(__file__).with_name("tool_cases.yml")
@@ -29,7 +29,7 @@ FIGURES: dict[str, Literal["higher", "lower"]] = {
     "ttft_s": "lower", "concurrent_wall_s": "lower",
 }
 
-# What a donor's `usage` may claim beyond what `make accept` received (donorkit/accept.py counts
+# What a donor's `usage` may claim beyond what `make accept` received (donorkit/commands/accept.py counts
 # one streamed chunk per token): a few tokens, or this fraction of them, whichever is more. The
 # figures are the received tokens' whatever the claim: the slack gains a donor nothing.
 USAGE_SLACK_TOKENS, USAGE_SLACK = 4, 0.05
@@ -125,7 +125,7 @@ def forced_call_text(case: ToolCase) -> str:
 class EdgeForward:
     """A home donor's Caddy (`reach: tunnel`) as this machine reaches it: through the SSH of the
     edge it is jumped through (its `ssh_jump`), an OpenSSH local forward for the whole
-    measurement (donorkit.transport.SshForward)."""
+    measurement (donorkit.commands.transport.SshForward)."""
 
     edge: str                   # the edge's name
     jump: SshJump               # its SSH data
@@ -158,7 +158,7 @@ class Target:
 # vLLM answers a tools request only where the model is served with this flag (and a parser).
 TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
 
-# OPERATOR_CLIENT (donorkit/pki.py): the operator's own client certificate, under
+# OPERATOR_CLIENT (donorkit/inventory/pki.py): the operator's own client certificate, under
 # pki_dir/edges/; a donor's Caddy answers only the current edges' and this one, and gives
 # /metrics to this one only.
 

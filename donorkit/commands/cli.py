@@ -6,7 +6,7 @@ directory outside the checkout, `--fleet DIR` or $DONORS_FLEET (`donors init DIR
 without one, the example inventory/donors.yml of this checkout is used (the testbed's, old
 scripts'). The modules are imported by the action that needs them (`donors --help` stays
 instant). Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`,
-and the exit code of the table in `donors --help` (donorkit/errors.py); never a traceback."""
+and the exit code of the table in `donors --help` (donorkit/inventory/errors.py); never a traceback."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from donorkit import errors
-from donorkit.errors import DonorsError
-from donorkit.paths import FLEET_DONORS, FLEET_ENV, REPO_ROOT, donors_file
+from donorkit.inventory import errors
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.paths import FLEET_DONORS, FLEET_ENV, REPO_ROOT, donors_file
 
 BIN = Path(sys.executable).parent
 INIT_HEADER = """\
@@ -60,10 +60,10 @@ def _inventory(limit: list[str] | None = None, *, sources: bool = False,
                revisions: bool = False):
     """The validated inventory (donors, edges), narrowed by --limit: a DonorsError (one line)
     before anything touches a box."""
-    from donorkit.fleet import check_revisions, load_inventory
-    from donorkit.limit import select
-    from donorkit.paths import pki_dir
-    from donorkit.pki import Pki
+    from donorkit.inventory.fleet import check_revisions, load_inventory
+    from donorkit.inventory.limit import select
+    from donorkit.inventory.paths import pki_dir
+    from donorkit.inventory.pki import Pki
 
     fleet, edges = load_inventory(require_local_sources=sources)
     if revisions:
@@ -81,7 +81,7 @@ def _run(command: list[str | Path], env: dict[str, str] | None = None) -> int:
 def cmd_init(args: argparse.Namespace) -> int:
     import yaml
 
-    from donorkit.fleet import DEFAULTS_FILE, read_yaml
+    from donorkit.inventory.fleet import DEFAULTS_FILE, read_yaml
 
     fleet = Path(args.dir).expanduser().resolve()
     target = fleet / FLEET_DONORS
@@ -123,13 +123,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from donorkit import render_cli
+    from donorkit.commands import render_cli
 
     return render_cli.run(args.host, Path(args.out))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from donorkit import status
+    from donorkit.commands import status
 
     _inventory(args.limit)
     return status.main([*(f"--limit={p}" for p in args.limit), *["--json"] * args.json,
@@ -137,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    from donorkit import lock
+    from donorkit.commands import pin as lock
 
     _inventory()
     return lock.main([f"--branch={args.branch}", *["--all"] * args.all,
@@ -151,7 +151,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_accept(args: argparse.Namespace) -> int:
-    from donorkit import accept
+    from donorkit.commands import accept
 
     if not _inventory(args.limit)[0]:
         raise Usage(f"--limit {','.join(args.limit)}: selects no donor")
@@ -161,7 +161,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from donorkit import rollout
+    from donorkit.commands import rollout
 
     if not args.inventory:      # another inventory file (inventory/testbed.py) loads its own
         _inventory()
@@ -173,7 +173,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_join_file(args: argparse.Namespace) -> int:
-    from donorkit import tunnel_join
+    from donorkit.commands import join_file as tunnel_join
 
     fleet = _inventory()[0]
     if args.donor not in fleet:
@@ -183,7 +183,7 @@ def cmd_join_file(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from donorkit import tunnel_join
+    from donorkit.commands import join_file as tunnel_join
 
     said = ["--fingerprint", args.fingerprint]
     rc = tunnel_join.main(["check", args.join, *said])

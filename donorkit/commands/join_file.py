@@ -1,7 +1,7 @@
-"""A home donor's join file (donorkit/tunnel.py plans the tunnel): `make join-file` writes it on
+"""A home donor's join file (donorkit/inventory/tunnel_plan.py plans the tunnel): `make join-file` writes it on
 the operator's machine from the inventory (the edges' endpoints and public keys, the donor's
 tunnel address, the two ports the edges reach: nothing secret), signed with the operator's CA
-key (donorkit/pki.py), and prints the CA's fingerprint; `make join` reads it on the box, as
+key (donorkit/inventory/pki.py), and prints the CA's fingerprint; `make join` reads it on the box, as
 root, and refuses it in one line unless it is what this module allows and signed by the CA of
 that fingerprint (which the owner got from the operator apart from the file). Then it prints
 the box's public keys for the operator to paste.
@@ -23,25 +23,35 @@ import ipaddress
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
 
-from donorkit.tunnel import (
+from donorkit.inventory import schema
+from donorkit.inventory.fleet import DEFAULTS_FILE, read_yaml
+from donorkit.inventory.host_data import DonorBox, DonorTunnel, TunnelPeer
+from donorkit.inventory.inventory_files import (
+    FleetError,
+    YamlLimits,
+    check_strings,
+    label,
+    read_bounded_yaml,
+    validate,
+)
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.pki import Pki, ca_fingerprint
+from donorkit.inventory.schema import TunnelSettings
+from donorkit.inventory.tunnel_plan import check_address
+from donorkit.inventory.tunnel_values import (
     KeepaliveSeconds,
     TunnelAddress,
     TunnelEndpoint,
     TunnelPool,
     WgInterface,
     WgKey,
-    check_address,
-    interface_paths,
 )
-from donorkit.values import Name, Port, Strict
-
-if TYPE_CHECKING:
-    from donorkit.host_data import DonorBox, DonorTunnel
-    from donorkit.schema import TunnelSettings
+from donorkit.inventory.values import Name, Port, Strict
+from donorkit.render.tunnel_files import interface_paths
 
 # A join file is a few hundred bytes: anything much larger is not one.
 MAX_BYTES = 16384
@@ -140,9 +150,6 @@ def join_tunnel(data: DonorBox) -> JoinTunnel:
 
 
 def operator_pki(data: DonorBox):
-    from donorkit.paths import pki_dir
-    from donorkit.pki import Pki
-
     return Pki(pki_dir(data), data.pki_renew_days)
 
 
@@ -184,8 +191,6 @@ def _bounded_yaml(path: Path) -> Any:
     """The file's YAML document, read bounded by the inventory's reader with a join file's
     limits: a regular file of at most MAX_BYTES, no anchors or aliases, nested at most
     MAX_DEPTH deep, duplicate keys refused; a FleetError otherwise."""
-    from donorkit.inventory_files import YamlLimits, read_bounded_yaml
-
     return read_bounded_yaml(path, YamlLimits(kind="a join file", bytes=MAX_BYTES,
                                               depth=MAX_DEPTH, aliases=0))
 
@@ -251,8 +256,6 @@ def read_join_file(path: Path, fingerprint: str) -> JoinFile:
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from donorkit.inventory_files import FleetError, check_strings, label, validate
-
     expected = normalized_fingerprint(fingerprint or "")
     if expected is None:
         raise FleetError(f"{path}: FINGERPRINT {label(fingerprint or '')}: not a SHA-256 "
@@ -297,8 +300,6 @@ def donor_tunnel(join: JoinFile, settings: TunnelSettings) -> DonorTunnel:
     """The join file's tunnel as the typed data tasks/tunnel.py reads, with the packages of the
     owner's own checkout (`settings`: its defaults.yml `tunnel`), never the file's. Its public
     key is what the join prints, not known yet."""
-    from donorkit.host_data import DonorTunnel, TunnelPeer
-
     tunnel = join.tunnel
     return DonorTunnel.model_construct(
         role="donor", entry=f"donor '{join.donor}'", interface=tunnel.interface,
@@ -339,10 +340,6 @@ def box_lines(join: JoinFile) -> str:
 
 def local_tunnel_settings() -> TunnelSettings:
     """The owner's own checkout's defaults.yml `tunnel` (its packages; never the join file's)."""
-    from donorkit import schema
-    from donorkit.fleet import DEFAULTS_FILE, read_yaml
-    from donorkit.inventory_files import validate
-
     return validate(schema.Defaults, read_yaml(DEFAULTS_FILE), str(DEFAULTS_FILE)).tunnel
 
 
@@ -350,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m donorkit.tunnel_join", description=(
+    parser = argparse.ArgumentParser(prog="python -m donorkit.commands.join_file", description=(
         "join-file DONOR OUT: write a home donor's signed join file (operator's machine); "
         "check JOIN --fingerprint FP: check it and say what joining does (on the box); "
         "box-keys JOIN --fingerprint FP: print the joined box's public keys for the operator"))
@@ -358,12 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs="+")
     parser.add_argument("--fingerprint", default="")
     args = parser.parse_args(argv)
-    from donorkit.fleet import FleetError
-
     if args.action == "join-file":
-        from donorkit.inventory import inventory_or_exit
-        from donorkit.pki import ca_fingerprint
-
+        from donorkit.box.inventory_groups import inventory_or_exit
         if len(args.args) != 2:
             parser.error("join-file DONOR OUT")
         fleet, _ = inventory_or_exit(require_local_sources=False, require_revisions=False)

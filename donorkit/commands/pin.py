@@ -1,6 +1,6 @@
 """`donors pin [--branch main] [--all]`: pin every served model's checkpoint to a commit.
 
-    .venv/bin/python -m donorkit.lock [--branch main] [--all] [--donors FILE]
+    .venv/bin/python -m donorkit.commands.pin [--branch main] [--all] [--donors FILE]
 
 For each model profile a donor serves (`--all`: every profile of the data), asks the Hugging
 Face hub (the profile's `hf_endpoint`, with `hf_token_file` when set) which 40-hex commit the
@@ -30,18 +30,18 @@ from urllib.parse import quote, urlsplit
 
 import yaml
 
-from donorkit.errors import DonorsError
-from donorkit.fleet import (
+from donorkit.box.serving import COMMIT
+from donorkit.commands.transport import capped_transport, shown, within
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.fleet import (
     DEFAULTS_FILE,
     FleetError,
     load_inventory,
     read_yaml,
     token_file_problem,
 )
-from donorkit.paths import REPO_ROOT, donors_file, operator_path
-from donorkit.schema import deep_merge
-from donorkit.serving import COMMIT
-from donorkit.transport import capped_transport, shown, within
+from donorkit.inventory.paths import REPO_ROOT, donors_file, operator_path
+from donorkit.inventory.schema import deep_merge
 
 # The most a hub's answer about one repository may be, in bytes (model info with its list of
 # files: a few KiB for a model's repository).

@@ -1,6 +1,6 @@
 """`donors render HOST OUT` (`make render HOST=<donor or edge> OUT=<dir>`): every file the
 deploy would write to that host, laid out under OUT as on the box, by the deploy's own
-rendering code (donorkit.render).
+rendering code (donorkit.render.templates).
 OUT must not exist: it is made here, private (0700), and nothing is written through an existing
 path (keys included)."""
 
@@ -10,10 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import donors_file, pki_dir
-from donorkit.pki import Pki, PkiError
-from donorkit.render import OutExists, render_host, write_tree
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import donors_file, pki_dir
+from donorkit.inventory.pki import Pki, PkiError
+from donorkit.render.templates import OutExists, render_host, write_tree
 
 
 def run(host: str, out: Path) -> int:

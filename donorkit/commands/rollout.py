@@ -2,7 +2,7 @@
 next one starts, stopping at the first failure.
 
     make rollout [BATCH=N] [FROM=HOST] [INVENTORY=inventory/gpus.py] [PLAN=1] [UNLOCK=1]
-    .venv/bin/python -m donorkit.rollout [--inventory FILE] [--batch N] [--from HOST] [--plan]
+    .venv/bin/python -m donorkit.commands.rollout [--inventory FILE] [--batch N] [--from HOST] [--plan]
                                          [--unlock] [-- extra pyinfra arguments]
 
 Each batch is one run of the real entry point, `pyinfra -y INVENTORY deploy.py --limit A
@@ -36,9 +36,9 @@ since when), so a second driver, from this machine or another, is refused with o
 the holder; the driver removes its locks when it ends, however it ends. A lock left by a driver
 that died (its machine lost power) is cleared with `make rollout UNLOCK=1` (`--unlock`).
 
-The plan, the edges' view of a box and the lock's commands are donorkit/rollout_plan.py (no
+The plan, the edges' view of a box and the lock's commands are donorkit/commands/rollout_plan.py (no
 connection there); reaching the boxes and edges (SSH, the in-service checks, drain and wait) is
-donorkit/rollout_hosts.py; this module drives them and is the command line.
+donorkit/commands/rollout_hosts.py; this module drives them and is the command line.
 
 `--plan` (`make rollout PLAN=1`) prints the batches, which box leaves which edge's pools in which
 batch, and which hostname runs on one box meanwhile, from the inventory alone: no connection.
@@ -53,9 +53,8 @@ import sys
 import time
 from pathlib import Path
 
-from donorkit.paths import REPO_ROOT
-from donorkit.rollout_hosts import RolloutHosts, Unreachable
-from donorkit.rollout_plan import (
+from donorkit.commands.rollout_hosts import RolloutHosts, Unreachable
+from donorkit.commands.rollout_plan import (
     DEFAULT_INVENTORY,
     Box,
     RolloutLocked,
@@ -68,6 +67,7 @@ from donorkit.rollout_plan import (
     stopped_at,
     unlock_command,
 )
+from donorkit.inventory.paths import REPO_ROOT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
-"""The fleet as the rolling rollout reaches it (donorkit/rollout.py drives it): SSH to each box
+"""The fleet as the rolling rollout reaches it (donorkit/commands/rollout.py drives it): SSH to each box
 and edge opened when first needed (an unreachable one is one line), the rollout's locks, whether
 a box serves again (through its GPU-side Caddy as an edge asks, or on its loopback), and taking
 a box out of the edges' pools (its drain flag) and waiting for it to be back. The decisions
-behind each (batches, the edges' view, the lock's commands) are donorkit/rollout_plan.py."""
+behind each (batches, the edges' view, the lock's commands) are donorkit/commands/rollout_plan.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import shlex
 import time
 from pathlib import Path
 
-from donorkit.render import drain_flag
-from donorkit.rollout_plan import (
+from donorkit.commands.rollout_plan import (
     Box,
     Edge,
     RolloutLocked,
@@ -24,7 +23,7 @@ from donorkit.rollout_plan import (
     unlock_command,
     upstream_requests,
 )
-from donorkit.transport import (
+from donorkit.commands.transport import (
     SshRunner,
     ca_file,
     edge_client_pair,
@@ -32,6 +31,7 @@ from donorkit.transport import (
     shown,
     wait_until,
 )
+from donorkit.render.templates import drain_flag
 
 
 def gpu_side_check(box: Box, hostname: str, checkpoint: str,

@@ -1,7 +1,7 @@
-"""The rolling rollout's pure core (donorkit/rollout.py drives it and is the command line): the
+"""The rolling rollout's pure core (donorkit/commands/rollout.py drives it and is the command line): the
 boxes and edges of an inventory, the batches and the plan's text, what an edge's health checker
 and admin API say about a box, and the lock's commands. Nothing here connects anywhere; what a
-rollout does and in which order is said in donorkit/rollout.py."""
+rollout does and in which order is said in donorkit/commands/rollout.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from donorkit import values
-from donorkit.errors import DonorsError
-from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory import values
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.host_data import DonorBox, EdgeBox
+from donorkit.inventory.paths import REPO_ROOT
 
 
 @dataclass
@@ -58,7 +58,7 @@ seconds = values.duration_seconds
 
 def inventory_hosts(inventory: str) -> tuple[list[Box], list[Edge]]:
     """The inventory file's `donors` and `edges` groups, as pyinfra itself loads them (same
-    file, same data), each host's data typed again (donorkit/host_data.py)."""
+    file, same data), each host's data typed again (donorkit/inventory/host_data.py)."""
     groups = runpy.run_path(str(REPO_ROOT / inventory))
     return ([Box(name, DonorBox.from_pyinfra(data)) for name, data in groups["donors"]],
             [Edge(name, EdgeBox.from_pyinfra(data)) for name, data in groups.get("edges", [])])

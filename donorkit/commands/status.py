@@ -1,6 +1,6 @@
 """`donors status [--limit P] [--json] [-v]`: what every box serves right now, one row each.
 
-    .venv/bin/python -m donorkit.status [--limit PATTERN] [--json] [--donors FILE]
+    .venv/bin/python -m donorkit.commands.status [--limit PATTERN] [--json] [--donors FILE]
 
 Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeout`, 10 s):
 - a donor: one SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each
@@ -13,11 +13,11 @@ Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeo
 - an edge: one SSH command reads its admin API (requests in flight per pool member) and its
   Caddy's health-checker log (a member whose check failed in the last interval is down).
 Everything a box says is the box owner's: each answer is capped in bytes and in wall time (the
-whole exchange, donorkit/transport.py), every field shown or put in the JSON is bounded and
+whole exchange, donorkit/commands/transport.py), every field shown or put in the JSON is bounded and
 escaped (transport.shown), and a box whose probe outlives the run's deadline is reported as
 timed out and left behind. An unreachable box is one line with the cause. Exit 1 when a box
 is unreachable or a model is not ready; 2 for a bad inventory or limit. The table is
-donorkit/status_view.py.
+donorkit/commands/status_view.py.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.host_data import DonorBox, EdgeBox, ServedModel
-from donorkit.limit import LimitError, select
-from donorkit.paths import pki_dir
-from donorkit.pki import OPERATOR_CLIENT, Pki, PkiError
-from donorkit.render import drain_flag
-from donorkit.rollout_plan import health_events, upstream_requests
-from donorkit.status_view import render_table
-from donorkit.transport import PinnedHTTPS, SshRunner, client_context, pinned_get, shown
-from donorkit.values import duration_seconds
+from donorkit.commands.rollout_plan import health_events, upstream_requests
+from donorkit.commands.status_view import render_table
+from donorkit.commands.transport import PinnedHTTPS, SshRunner, client_context, pinned_get, shown
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.host_data import DonorBox, EdgeBox, ServedModel
+from donorkit.inventory.limit import LimitError, select
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki, PkiError
+from donorkit.inventory.values import duration_seconds
+from donorkit.render.templates import drain_flag
 
 q = shlex.quote
 GPU_FIELDS = "name,driver_version,memory.used,memory.total,utilization.gpu"

@@ -1,4 +1,4 @@
-"""`make status`'s table, from the rows donorkit/status.py collects (pure: no connection).
+"""`make status`'s table, from the rows donorkit/commands/status.py collects (pure: no connection).
 
 Donors: one row per model a box serves; edges: one row per pool member as that edge sees it; an
 unreachable box: one line with the cause."""

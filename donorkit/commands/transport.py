@@ -18,8 +18,8 @@ capped in bytes (ANSWER_LIMIT, AnswerTooLarge) and in wall time for the whole ex
 waits too long), and every field of it that is printed or recorded goes through `shown`
 (bounded, control and bidi characters escaped).
 
-Paths on this machine (the CA, the client pairs) come from donorkit.paths' one resolver; Caddy's
-durations from donorkit.values.duration_ns.
+Paths on this machine (the CA, the client pairs) come from donorkit.inventory.paths' one resolver; Caddy's
+durations from donorkit.inventory.values.duration_ns.
 """
 
 from __future__ import annotations
@@ -40,20 +40,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from donorkit.paths import pki_dir
+from donorkit.inventory.errors import AnswerTooLarge
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.ssh_commands import forward_command
 
 if TYPE_CHECKING:
-    from donorkit.host_data import DonorBox, EdgeBox, SshJump
+    from donorkit.inventory.host_data import DonorBox, EdgeBox, SshJump
 
 T = TypeVar("T")
 
 # The most one answer of a box may be, in bytes (a status command's output, /v1/models, a
 # /metrics page, one completion or stream of `make accept`).
 ANSWER_LIMIT = 8 << 20
-
-
-class AnswerTooLarge(OSError):
-    """An answer longer than its limit: refused, not read on."""
 
 
 # ---------------------------------------------------------------- text from a box -------------
@@ -168,7 +166,7 @@ def client_context(ca: Path | str | None, client: tuple[Path | str, Path | str] 
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to `address`, with `hostname` as SNI and Host (one connection, one request: no
     keep-alive across requests, as every hop to vLLM). `proxy`: a command whose stdin and
-    stdout are the TCP stream (a home donor's `ssh -W` through the edge, donorkit/tunnel.py)."""
+    stdout are the TCP stream (a home donor's `ssh -W` through the edge, donorkit/inventory/tunnel_plan.py)."""
 
     def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
                  timeout: float, proxy: list[str] | None = None) -> None:
@@ -365,7 +363,7 @@ def edge_client_pair(data: DonorBox | EdgeBox, edge: str) -> tuple[Path, Path]:
 
 
 def jump_socket(data: DonorBox | EdgeBox):
-    """A home donor (donorkit/tunnel.py): its SSH stream through the edge (OpenSSH's `-W`), as
+    """A home donor (donorkit/inventory/tunnel_plan.py): its SSH stream through the edge (OpenSSH's `-W`), as
     a socket for paramiko; None for a box reached directly (an edge always is)."""
     command = getattr(data, "ssh_proxy_command", None)
     if not command:
@@ -484,8 +482,6 @@ class SshForward:
         return self._start()
 
     def _start(self) -> SshForward:
-        from donorkit.tunnel import forward_command  # tunnel.py's value types import schema
-
         self.local_port = free_port()
         self._log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while it runs
         self._process = subprocess.Popen(

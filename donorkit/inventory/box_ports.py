@@ -3,15 +3,12 @@ second would fail to bind at its start, or take the first's traffic). A donor's 
 (`ssh_port`), its Caddy (`caddy_https_port`, on every address of a direct donor) and its models
 (`models.<m>.port`, on loopback: sshd listens on every address, loopback included); an edge's
 sshd and its Caddy (`edge_https_port`, and port 80 for ACME's HTTP listener). The tunnel's own
-port is UDP (no TCP service shares it). donorkit.fleet calls these with each box's data once
+port is UDP (no TCP service shares it). donorkit.inventory.fleet calls these with each box's data once
 merged; schema.check_box already keeps a donor's models off each other's and Caddy's ports."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from donorkit.host_data import DonorBox, EdgeBox
+from donorkit.inventory.host_data import DonorBox, EdgeBox
 
 # Caddy serves plain HTTP on this port (and, with ACME, listens there for the redirect and the
 # HTTP challenge): never a port for a TLS site, never another service's on an ACME edge.

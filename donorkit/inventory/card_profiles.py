@@ -1,13 +1,13 @@
 """A card profile (defaults.yml `cards:`), one of two by its engine: a GPU's (`CudaCard`: its
 compute capability, CUDA toolkit and wheel variant) or vLLM's CPU build's (`CpuCard`); and the
 acceptance run's settings a card profile carries (`make accept`: the workload, its baseline).
-donorkit/schema.py's `Defaults` holds them."""
+donorkit/inventory/schema.py's `Defaults` holds them."""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from donorkit.values import (
+from donorkit.inventory.values import (
     Arch,
     CudaVersion,
     LocalPath,
@@ -20,7 +20,7 @@ from donorkit.values import (
     VllmVariant,
 )
 
-# `make accept` (donorkit/accept.py): the workload, the tolerance, and per card its baseline.
+# `make accept` (donorkit/commands/accept.py): the workload, the tolerance, and per card its baseline.
 # Every number bounded: a token count within any model's context (16M), at most 1024 prompts at
 # once, a request's timeout within a day, a measured figure finite.
 PositiveInt = Annotated[int, Field(ge=1, le=2**24)]

@@ -1,4 +1,4 @@
-"""The one error base class and the one exit-code table of the `donors` command (donorkit/cli.py).
+"""The one error base class and the one exit-code table of the `donors` command (donorkit/commands/cli.py).
 
 Every operator mistake the toolkit detects is a DonorsError whose message is one line naming the
 file, the host and the field (`<file>: donor '<name>': field '<f>': <what>`); the command prints
@@ -34,3 +34,8 @@ def one_line(exc: BaseException) -> str:
     """The message of an error, its first line only (a library's may run on)."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+class AnswerTooLarge(OSError):
+    """An answer from a box longer than its limit: refused, not read on (donorkit/commands/
+    transport.py's reads, donorkit/box/wheel_cache.py's fetch)."""

@@ -1,6 +1,6 @@
 """Load and validate the fleet (donors.yml + defaults.yml) into per-host pyinfra data.
 
-What each key may hold is donorkit/schema.py. Every user mistake becomes one FleetError naming the
+What each key may hold is donorkit/inventory/schema.py. Every user mistake becomes one FleetError naming the
 file, the entry and the field, raised before any connection is made.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from donorkit import box_ports, pki, schema, tunnel, values
-from donorkit.host_data import (
+from donorkit.inventory import box_ports, pki, schema, tunnel_plan, values
+from donorkit.inventory.host_data import (
     CudaHostCard,
     DonorBox,
     EdgeBox,
@@ -20,11 +20,18 @@ from donorkit.host_data import (
     Upstream,
     host_card,
 )
-from donorkit.host_software import RequirementsFileError, driver_minimum, venv_install
-from donorkit.inventory_files import FleetError, check_strings, label, read_yaml, short, validate
-from donorkit.paths import REPO_ROOT, donors_file, operator_path
-from donorkit.pki import OPERATOR_CLIENT
-from donorkit.schema import PluginPath
+from donorkit.inventory.host_software import RequirementsFileError, driver_minimum, venv_install
+from donorkit.inventory.inventory_files import (
+    FleetError,
+    check_strings,
+    label,
+    read_yaml,
+    short,
+    validate,
+)
+from donorkit.inventory.paths import REPO_ROOT, donors_file, operator_path
+from donorkit.inventory.pki import OPERATOR_CLIENT
+from donorkit.inventory.schema import PluginPath
 
 __all__ = ["DEFAULTS_FILE", "DONORS_FILE", "FleetError", "check_revisions", "load_fleet",
            "load_inventory", "plugin_local_path", "read_yaml", "token_file_problem"]
@@ -102,10 +109,10 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         install = venv_install(card, settings)
     except RequirementsFileError as exc:
         raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
-    # A tunnelled donor is reached at its tunnel address (donorkit/tunnel.py plans the rest),
+    # A tunnelled donor is reached at its tunnel address (donorkit/inventory/tunnel_plan.py plans the rest),
     # which is also its identity among the boxes.
     tunnel_host = None if donor.reach != "tunnel" else (
-        donor.tunnel_address or tunnel.derived_address(settings.tunnel.pool, name))
+        donor.tunnel_address or tunnel_plan.derived_address(settings.tunnel.pool, name))
     # A volunteer's box (its owner is root on it) gets no operator secret: no Hugging Face
     # token, so no gated checkpoint either (README "A home donor behind NAT").
     owner = donor.owner or ("volunteer" if donor.reach == "tunnel" else "operator")
@@ -237,9 +244,9 @@ def _refuse(where: str, problem: tuple[str, str] | None) -> None:
 def _one_box_per_address(seen: dict[str, str], box: DonorBox | EdgeBox, what: str,
                          where: str) -> None:
     """One box, one entry: values.box_identity's spelling, whatever the SSH port. A tunnelled
-    donor's tunnel address is checked against the other tunnel addresses (tunnel.plan)."""
+    donor's tunnel address is checked against the other tunnel addresses (tunnel_plan.plan)."""
     if getattr(box, "reach", "direct") != "direct":
-        return          # its tunnel address: tunnel.plan checks it against every box's
+        return          # its tunnel address: tunnel_plan.plan checks it against every box's
     address = values.box_identity(box.ssh_hostname)
     if address in seen:
         raise FleetError(f"{where}: field 'ssh_host': {box.ssh_hostname} is the box of "
@@ -278,7 +285,7 @@ def load_inventory(donors_path: Path | str | None = None,
                   else (str(defaults_path), ""))
         raise FleetError(f"{origin[0]}: field '{origin[1]}hf_token_file': {problem}")
     # Each donor's Caddy accepts exactly these client certificates: an edge deleted here loses
-    # access at the donors' next deploy (donorkit/pki.py).
+    # access at the donors' next deploy (donorkit/inventory/pki.py).
     trusted_clients = [*sorted(inventory.edges), OPERATOR_CLIENT]
     fleet: dict[str, DonorBox] = {}
     seen_addresses: dict[str, str] = {}
@@ -320,10 +327,10 @@ def load_inventory(donors_path: Path | str | None = None,
     entries = {**{n: f"{donors_path}: donor '{label(n)}'" for n in fleet},
                **{n: f"{donors_path}: edge '{label(n)}'" for n in edges}}
     try:
-        tunnel.check_keys(fleet, edges, entries)
-        tunnel.plan(fleet, edges, entries)
-        tunnel.check_tunnel_ports(fleet, edges, inventory.donors, entries)
-    except tunnel.TunnelError as exc:
+        tunnel_plan.check_keys(fleet, edges, entries)
+        tunnel_plan.plan(fleet, edges, entries)
+        tunnel_plan.check_tunnel_ports(fleet, edges, inventory.donors, entries)
+    except tunnel_plan.TunnelError as exc:
         raise FleetError(str(exc)) from None
     if require_local_sources:
         for name, box in fleet.items():

@@ -1,11 +1,11 @@
-"""A host's data as types: what the loader (donorkit.fleet) hands pyinfra for each donor
+"""A host's data as types: what the loader (donorkit.inventory.fleet) hands pyinfra for each donor
 (`DonorBox`) and each edge (`EdgeBox`), every key a field. pyinfra gets the fields as they are
 (`pyinfra_data`: `host.data.install_root`, `host.data.card.engine`, `host.data.models["qwen"].port`
 in tasks/); the rendering, the rollout, `make accept`, `make status` and the verification suite
 read the same models (`load_inventory` returns them), never a key no model names.
 
 The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
-donors file's overrides, validated there); the rest is derived once, in donorkit.fleet: the card
+donors file's overrides, validated there); the rest is derived once, in donorkit.inventory.fleet: the card
 profile with its name, the served models with their units, the CUDA paths, the venv's install.
 An edge carries the few settings its Caddy needs and one site per public hostname. A home
 donor behind NAT (`reach: tunnel`) and the edges that are its hubs also carry their tunnel
@@ -24,9 +24,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Tag
 
-from donorkit.card_profiles import CpuCard, CudaCard, engine_tag
-from donorkit.schema import EdgeProxy, RateLimit, Settings, TunnelSettings
-from donorkit.values import Name, Strict
+from donorkit.inventory.card_profiles import CpuCard, CudaCard, engine_tag
+from donorkit.inventory.schema import EdgeProxy, RateLimit, Settings, TunnelSettings
+from donorkit.inventory.values import Name, Strict
 
 DERIVED = ConfigDict(defer_build=True)
 
@@ -218,14 +218,14 @@ class DonorBox(_Login, Settings):
     venv_index_args: list[str]
     vllm_installed_version: str         # what `vllm --version` reports
     trusted_clients: list[str]          # client certificates its Caddy accepts (edges, operator)
-    # How it is reached (donorkit/tunnel.py): `direct` at ssh_host; `tunnel`, a home box behind
+    # How it is reached (donorkit/inventory/tunnel_plan.py): `direct` at ssh_host; `tunnel`, a home box behind
     # NAT, at its tunnel address (ssh_hostname) through an edge: the rest is tunnel.plan's.
     reach: Literal["direct", "tunnel"] = "direct"
     # Who is root on it (schema.Donor.owner, resolved): a volunteer's box gets no operator secret
     # and builds no cache another box uses.
     owner: Literal["operator", "volunteer"] = "operator"
     # schema.Donor.cache_builder; and the names of every cache builder of the inventory: only
-    # their cache entries go to other boxes (donorkit/wheel_cache.py).
+    # their cache entries go to other boxes (donorkit/box/wheel_cache.py).
     cache_builder: bool = False
     cache_builders: list[Name] = []
     tunnel_settings: TunnelSettings     # defaults.yml `tunnel`, merged
@@ -276,7 +276,7 @@ class EdgeBox(_Login):
     public_tls: Literal["acme", "private_ca"]
     rate_limit: RateLimit | None
     sites: list[Site]
-    # As the hub of home donors (donorkit/tunnel.py): where they dial it, its tunnel address
+    # As the hub of home donors (donorkit/inventory/tunnel_plan.py): where they dial it, its tunnel address
     # (its entry's or derived; set when it is a hub), its key; `tunnel`: None when no
     # tunnelled donor is among its upstreams.
     tunnel_settings: TunnelSettings

@@ -4,10 +4,10 @@ index arguments, the version vLLM reports)."""
 
 from __future__ import annotations
 
-from donorkit.card_profiles import variant_cuda
-from donorkit.host_data import CpuHostCard, CudaHostCard
-from donorkit.paths import repo_path
-from donorkit.schema import Settings
+from donorkit.inventory.card_profiles import variant_cuda
+from donorkit.inventory.host_data import CpuHostCard, CudaHostCard
+from donorkit.inventory.paths import repo_path
+from donorkit.inventory.schema import Settings
 
 
 class RequirementsFileError(ValueError):

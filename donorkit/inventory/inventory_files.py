@@ -1,7 +1,7 @@
 """The inventory's files as read: YAML with duplicate keys refused (PyYAML keeps the last one),
 and every mistake in them as one FleetError line naming the file, the entry (donor or edge) and
 the field, pydantic's error locations turned into the data's own spelling (`models.qwen.port`).
-donorkit.fleet loads the fleet with these."""
+donorkit.inventory.fleet loads the fleet with these."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from donorkit import values
-from donorkit.errors import DonorsError
+from donorkit.inventory import values
+from donorkit.inventory.errors import DonorsError
 
 
 class FleetError(DonorsError):
@@ -231,7 +231,7 @@ def _problem(error: dict, model: type[BaseModel]) -> str:
     if kind == "extra_forbidden":
         if "unit_service" in error["loc"]:
             return ("not a setting unit_service may hold (its allow-list: UnitService in "
-                    "donorkit/unit_settings.py)")
+                    "donorkit/inventory/unit_settings.py)")
         engine = next((str(i)[7:] for i in error["loc"] if str(i).startswith("engine=")), None)
         if engine:
             return f"not a field of a card profile with engine {engine}"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatch
 
-from donorkit.errors import DonorsError
-from donorkit.host_data import DonorBox, EdgeBox
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.host_data import DonorBox, EdgeBox
 
 
 class LimitError(DonorsError, ValueError):
@@ -23,12 +23,13 @@ def patterns(values: Iterable[str] | None) -> list[str]:
 
 
 def groups(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox]) -> dict[str, list[str]]:
-    """{group: host names}, as inventory/gpus.py gives them to pyinfra. (Imported here: a
-    command given no LIMIT, `accept --via` on the GPU machine, has no pyinfra to import.)"""
-    from donorkit.inventory import pyinfra_groups
-
-    return {group: [name for name, _ in members]
-            for group, members in pyinfra_groups(fleet, edges, connect_kwargs={}).items()}
+    """{group: host names}, the groups inventory/gpus.py gives pyinfra
+    (donorkit/box/inventory_groups.py): `donors` (every GPU box), `edges`, and one group per
+    card profile (e.g. `rtx4090`)."""
+    named: dict[str, list[str]] = {"donors": list(fleet), "edges": list(edges)}
+    for name, box in fleet.items():
+        named.setdefault(box.card.name, []).append(name)
+    return named
 
 
 def select(values: Iterable[str] | None, fleet: dict[str, DonorBox], edges: dict[str, EdgeBox]

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # donorkit/inventory/paths.py
 # The operator's data directory (`donors init DIR` makes one): its donors.yml is the inventory.
 FLEET_ENV = "DONORS_FLEET"
 FLEET_DONORS = "donors.yml"
@@ -45,7 +45,7 @@ def donors_file() -> Path:
     return fleet / FLEET_DONORS if fleet else REPO_ROOT / "inventory" / "donors.yml"
 
 
-def pki_dir(data: Any) -> Path:  # a DonorBox or an EdgeBox (donorkit/host_data.py)
+def pki_dir(data: Any) -> Path:  # a DonorBox or an EdgeBox (donorkit/inventory/host_data.py)
     """The private CA's folder on the operator's machine, from a host's `pki_dir`: the ONE reading
     of that setting (deploy, render, rollout, accept, verify): `~` is the operator's home, a
     relative path is under the fleet directory (or the repository, with none)."""

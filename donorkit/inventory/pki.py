@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from donorkit.errors import DonorsError
+from donorkit.inventory.errors import DonorsError
 
 CA_DAYS = 3650
 SERVER_DAYS = 365
@@ -150,7 +150,7 @@ class Pki:
     def sign(self, data: bytes) -> tuple[bytes, bytes]:
         """(the donor CA's certificate, DER, and an ECDSA-SHA256 signature of `data` by its
         key): how a
-        join file shows it is the operator's (donorkit/tunnel_join.py). The CA key signs
+        join file shows it is the operator's (donorkit/commands/join_file.py). The CA key signs
         certificates too, whose signed part is DER (it starts with byte 0x30): `data` must not,
         so no signature made here can pass for a certificate's (callers prefix their text)."""
         if data[:1] == b"\x30":

@@ -3,10 +3,10 @@ type, shape and range, in one place. Read this file as the reference of what the
 
 Validated with pydantic v2 (already installed as a dependency of pyinfra; pinned in
 pyproject.toml): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
-refused, and each error located by a path (`models.qwen.port`) that donorkit.fleet turns into one
+refused, and each error located by a path (`models.qwen.port`) that donorkit.inventory.fleet turns into one
 line naming the file, the donor and the field.
 
-How the pieces fit (donorkit.fleet does the loading):
+How the pieces fit (donorkit.inventory.fleet does the loading):
 - `Defaults` is defaults.yml. A donors file is `Inventory`: `donors:` (one `Donor` per box) and
   an optional file-wide `overrides:`.
 - A donor's effective settings = defaults.yml, deep-merged with the file's `overrides:`, then with
@@ -18,17 +18,23 @@ How the pieces fit (donorkit.fleet does the loading):
   serves (a list, or `all`: every hostname some donor routes), its Caddy source and its rate
   limit (`RateLimit`, or null: none). Its settings are defaults.yml merged with the file's and its
   own `overrides:` as for a donor; its upstreams are worked out from the donors' routes
-  (donorkit.fleet), so adding or removing a donor changes the pools on the next run.
+  (donorkit.inventory.fleet), so adding or removing a donor changes the pools on the next run.
 """
 
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from donorkit.card_profiles import AcceptanceSettings, Card, CudaCard, variant_cuda
-from donorkit.tunnel import KeepaliveSeconds, TunnelAddress, TunnelPool, WgInterface, WgKey
-from donorkit.unit_settings import UnitEnvName, UnitService
-from donorkit.values import (
+from donorkit.inventory.card_profiles import AcceptanceSettings, Card, CudaCard, variant_cuda
+from donorkit.inventory.tunnel_values import (
+    KeepaliveSeconds,
+    TunnelAddress,
+    TunnelPool,
+    WgInterface,
+    WgKey,
+)
+from donorkit.inventory.unit_settings import UnitEnvName, UnitService
+from donorkit.inventory.values import (
     AbsPath,
     CaddyTlsPort,
     Checkpoint,
@@ -61,11 +67,11 @@ from donorkit.values import (
     UserName,
     Version,
     WheelUrlTemplate,
-    _install_root,
-    _matching,
-    _not_root,
-    _server_known,
+    matching,
+    not_root,
+    server_known,
     under,
+    valid_install_root,
 )
 
 # ------------------------------------------------------------------ the models ----------------
@@ -168,7 +174,7 @@ class RateLimit(Strict):
 
     events: Annotated[int, Field(ge=1, le=1_000_000)]
     window: Duration
-    key: Annotated[Placeholder, AfterValidator(_server_known)]
+    key: Annotated[Placeholder, AfterValidator(server_known)]
 
 
 class EdgeProxy(Strict):
@@ -197,7 +203,7 @@ class TunnelSettings(Strict):
 
 class Settings(Strict):
     """defaults.yml less its catalogues (`cards:`, `models:`): the settings a box's typed host
-    data carries as they are (donorkit/host_data.py's `DonorBox` extends this). Never validated
+    data carries as they are (donorkit/inventory/host_data.py's `DonorBox` extends this). Never validated
     alone: its validator is built with the first model that validates (`Defaults`), not at
     import (pydantic's `defer_build`; every run imports this)."""
 
@@ -211,8 +217,8 @@ class Settings(Strict):
     cuda_keyring_deb: FileName
     cuda_keyring_path: AbsPath
     build_packages: list[DebPackage]
-    service_user: Annotated[UserName, AfterValidator(_not_root)]  # vLLM never runs as root
-    install_root: Annotated[AbsPath, AfterValidator(_install_root)]
+    service_user: Annotated[UserName, AfterValidator(not_root)]  # vLLM never runs as root
+    install_root: Annotated[AbsPath, AfterValidator(valid_install_root)]
     venv_dir: AbsPath                       # under install_root (check_paths)
     venv_python: Executable
     vllm_version: Version
@@ -232,7 +238,7 @@ class Settings(Strict):
     kernel_prebuild_reserve_gib: Annotated[float, Field(ge=0, le=1024)]  # kept free meanwhile
     vllm_exl3_plugin: PluginPath | PluginGit
     vllm_exl3_plugin_dir: AbsPath           # under install_root (check_paths)
-    vllm_exl3_plugin_dist: Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    vllm_exl3_plugin_dist: Annotated[str, matching(r"[A-Za-z0-9][A-Za-z0-9._-]*",
                                                     "a distribution name")]
     unit_environment: Annotated[dict[UnitEnvName, Text],
                                 AfterValidator(_no_file_wide_retention)]
@@ -242,7 +248,7 @@ class Settings(Strict):
     caddy_upstream_key_url: Url
     caddy_https_port: CaddyTlsPort
     # caddy.service's own runtime directory (its drop-in creates it, and removes it on stop).
-    caddy_admin_socket: Annotated[str, _matching(r"/run/caddy/[a-z0-9][a-z0-9.-]*",
+    caddy_admin_socket: Annotated[str, matching(r"/run/caddy/[a-z0-9][a-z0-9.-]*",
                                                  "/run/caddy/<socket>, Caddy's own runtime "
                                                  "directory")]
     caddy_dial_timeout: Duration
@@ -298,7 +304,7 @@ class Defaults(Settings):
 
     cards: dict[Name, Card]
     models: dict[Name, Model]
-    # Home donors behind NAT (donorkit/tunnel.py): a box's typed data carries it as
+    # Home donors behind NAT (donorkit/inventory/tunnel_plan.py): a box's typed data carries it as
     # `tunnel_settings` (its `tunnel` is what donorkit.tunnel.plan makes of it).
     tunnel: TunnelSettings
 
@@ -316,7 +322,7 @@ class Donor(Strict):
     routes: Annotated[dict[Hostname, Name], Field(min_length=1)]  # public hostname -> model
     overrides: dict[str, Any] = {}          # any defaults.yml key; validated after merging
     # direct: the edges and the operator reach ssh_host; tunnel: a home box behind NAT, it dials
-    # the edges over WireGuard (donorkit/tunnel.py) and is reached at its tunnel address.
+    # the edges over WireGuard (donorkit/inventory/tunnel_plan.py) and is reached at its tunnel address.
     reach: Literal["direct", "tunnel"] = "direct"
     tunnel_address: TunnelAddress | None = None   # None: derived from the name, in the pool
     tunnel_public_key: WgKey | None = None  # what `make join` printed on the box; None: not joined

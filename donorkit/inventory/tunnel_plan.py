@@ -8,147 +8,34 @@ inventory alone (no host is asked):
 - which edges a donor dials (those serving one of its hostnames) and which donors each edge
   carries (those of its hostnames whose `tunnel_public_key` the operator has pasted: a donor that
   never joined is no peer; the edge's pool still lists it, down);
-- each box's WireGuard config (templates/wireguard.conf.j2: no private key in it, the box sets
-  its own from its own file) and its nftables table (templates/tunnel.nft.j2);
 - how the operator's machine reaches a tunnelled donor: SSH to its tunnel address through the
   edge (OpenSSH's `-W`, a ProxyCommand for pyinfra, `make verify`, `make status` and the
   rollout), and its Caddy through the edge (`-W` per request for status and the rollout; a
   local forward, `-L`, for the whole of `make accept`'s measurement);
-- what the join file the operator hands the donor's owner holds (donorkit/tunnel_join.py
+- what the join file the operator hands the donor's owner holds (donorkit/commands/join_file.py
   writes and reads it).
 
-Key pairs are made on each box (`wg genkey`, tasks/tunnel.py); the private key never leaves it.
+The files a box gets (its WireGuard config, its nftables table) and the operator's ssh_config
+are donorkit/render/tunnel_files.py's. Key pairs are made on each box (`wg genkey`, tasks/tunnel.py); the private key never leaves it.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import ipaddress
-import re
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
 
-from pydantic import AfterValidator, Field
-
-from donorkit.errors import DonorsError
-from donorkit.values import SshHost, box_identity
-
-if TYPE_CHECKING:  # donorkit.schema imports this module's value types: host_data imports schema
-    from donorkit.host_data import DonorBox, DonorTunnel, EdgeBox, EdgeTunnel, SshJump
-
-KEY_DIR = "/etc/wireguard"
-# Our own nftables table on a box: created and replaced whole by tasks/tunnel.py's file, never
-# anyone else's rules (Debian's nftables.service flushes the whole ruleset: not used).
-NFT_TABLE = "uncloseai_tunnel"
-
-
-# ------------------------------------------------------------------ value types --------------
-
-
-def _wg_key(text: str) -> str:
-    """A WireGuard public key: base64 of 32 bytes (what `wg pubkey` prints)."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raw = b""
-    if len(text) != 44 or len(raw) != 32:
-        raise ValueError(f"{text!r} is not a WireGuard public key (44 characters of base64, "
-                         "what `wg pubkey` prints)")
-    if base64.b64encode(raw).decode() != text:
-        # The last digit's two low bits are not part of the key: another spelling of the same
-        # 32 bytes would pass as a second key (and never match what the box's `wg pubkey` says).
-        raise ValueError(f"{text!r} is not how `wg pubkey` writes a key (its last digit before "
-                         f"'=' is not canonical: {base64.b64encode(raw).decode()!r} is the key)")
-    return text
-
-
-WgKey = Annotated[str, AfterValidator(_wg_key)]
-
-
-# Names the kernel has or treats apart ("lo"; "all" and "default" are the sysctl folders of every
-# interface, net.ipv4.conf.all), and "." / "..", which the kernel refuses (dev_valid_name).
-RESERVED_INTERFACES = frozenset({"lo", "all", "default", ".", ".."})
-
-
-def _interface(text: str) -> str:
-    """An interface name the kernel, wg-quick and systemd all take: within IFNAMSIZ (1-15
-    characters), letters, digits and `_.-` only (wg-quick would also take `=` and `+`, but
-    `wg-quick@<it>.service` is then no unit name systemd accepts), starting with a letter, digit
-    or `_` (never an option's `-`), none of RESERVED_INTERFACES."""
-    if text == "lo":
-        raise ValueError("'lo' is the box's loopback interface, not a tunnel's")
-    if not re.fullmatch(r"[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,14}", text) \
-            or text in RESERVED_INTERFACES:
-        raise ValueError(f"{text!r} is not an interface name the kernel, wg-quick and systemd "
-                         "all take (1-15 of letters, digits and _.-, starting with a letter, "
-                         "digit or _; not lo, all, default)")
-    return text
-
-
-WgInterface = Annotated[str, AfterValidator(_interface)]
-
-
-# Where a tunnel pool may lie: the private ranges of RFC 1918, and nothing else. Python's
-# `is_private` also says yes to loopback (127/8), link-local (169.254/16: the cloud metadata
-# address), "this network" (0/8), documentation and reserved space (240/4): a hub routes its
-# whole pool into the tunnel, so each of those would take traffic meant for something else.
-PRIVATE_POOLS = tuple(ipaddress.IPv4Network(n)
-                      for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
-_SPECIAL = (("loopback", "is_loopback"), ("link-local (the cloud metadata address's range)",
-                                          "is_link_local"),
-            ("multicast", "is_multicast"), ("reserved", "is_reserved"))
-
-
-def _pool(text: str) -> str:
-    try:
-        network = ipaddress.IPv4Network(text, strict=True)
-    except ValueError as exc:
-        raise ValueError(f"{text!r} is not an IPv4 network (a.b.c.d/len, host bits 0): "
-                         f"{exc}") from None
-    if not any(network.subnet_of(private) for private in PRIVATE_POOLS):
-        kind = next((word for word, test in _SPECIAL if getattr(network, test)),
-                    "'this network' (0.0.0.0/8)" if network.network_address.packed[0] == 0
-                    else "public or special-purpose space")
-        raise ValueError(f"{text!r}: the tunnel pool must be a private IPv4 network (inside "
-                         f"10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16), not {kind}")
-    if network.prefixlen > 28:
-        raise ValueError(f"{text!r}: the tunnel pool must be a private IPv4 network of /28 or "
-                         "larger")
-    return text
-
-
-TunnelPool = Annotated[str, AfterValidator(_pool)]
-
-
-def _address(text: str) -> str:
-    try:
-        ipaddress.IPv4Address(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an IPv4 address") from None
-    return text
-
-
-TunnelAddress = Annotated[str, AfterValidator(_address)]
-KeepaliveSeconds = Annotated[int, Field(ge=1, le=600)]
-
-
-def _endpoint(text: str) -> str:
-    """host:port (an IPv6 address in brackets), the host as the inventory's ssh_host."""
-    from pydantic import TypeAdapter
-
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not host:port")
-    TypeAdapter(SshHost).validate_python(host.removeprefix("[").removesuffix("]"))
-    return text
-
-
-TunnelEndpoint = Annotated[str, AfterValidator(_endpoint)]
-
-
-# ------------------------------------------------------------------ the plan -----------------
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.host_data import (
+    DonorBox,
+    DonorTunnel,
+    EdgeBox,
+    EdgeTunnel,
+    SshJump,
+    TunnelPeer,
+)
+from donorkit.inventory.ssh_commands import proxy_command
+from donorkit.inventory.values import box_identity
 
 
 class TunnelError(DonorsError):
@@ -193,7 +80,6 @@ def plan(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], where: dict[str,
     `where` names each host's entry for the message ("donors.yml: donor 'x'"). Before this, a
     box holds `reach` (donors), `tunnel_address` (its entry's, or None), `tunnel_public_key`
     (pasted by the operator, or None), `tunnel_settings` and, on an edge, `tunnel_endpoint`."""
-    from donorkit.host_data import DonorTunnel, EdgeTunnel, SshJump, TunnelPeer
 
     tunnelled = {name: box for name, box in fleet.items() if box.reach == "tunnel"}
     if not tunnelled:
@@ -439,122 +325,3 @@ def check_tunnel_ports(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox],
                     f"{own['port']}, but edge '{edge}' listens on {listens}: tunnel.port is "
                     "the hub edges' listen port, and a donor dials each edge on its own (set "
                     "it on the edge or file-wide, not on the donor)"))
-
-
-def _to_edge(jump: EdgeBox | SshJump) -> list[str]:
-    """OpenSSH to the edge with its own SSH data (its key, its known_hosts file; an unknown or
-    changed host key refused, never a prompt), up to where the stream's own words go."""
-    words = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-             "-o", "ConnectTimeout=10", "-p", str(jump.ssh_port)]
-    if jump.ssh_key:
-        words += ["-i", jump.ssh_key, "-o", "IdentitiesOnly=yes"]
-    if jump.ssh_known_hosts_file:
-        words += ["-o", f"UserKnownHostsFile={jump.ssh_known_hosts_file}"]
-    return words
-
-
-def proxy_command(jump: EdgeBox | SshJump, target: str, port: int) -> list[str]:
-    """OpenSSH's `ssh -W target:port` through the edge: one TCP stream on its stdin/stdout."""
-    return [*_to_edge(jump), "-W", f"{target}:{port}", f"{jump.ssh_user}@{jump.ssh_hostname}"]
-
-
-def forward_command(jump: SshJump, local_port: int, target: str, port: int) -> list[str]:
-    """OpenSSH's local forward through the edge: 127.0.0.1:local_port here to target:port as
-    the edge reaches it (a home donor's tunnel address), no remote command, and an exit when
-    the port cannot be bound (`ExitOnForwardFailure`) instead of a session without it."""
-    return [*_to_edge(jump), "-N", "-o", "ExitOnForwardFailure=yes",
-            "-L", f"127.0.0.1:{int(local_port)}:{target}:{int(port)}",
-            f"{jump.ssh_user}@{jump.ssh_hostname}"]
-
-
-def ssh_config(data: DonorBox) -> str:
-    """An ssh_config (pyinfra's `ssh_config_file` host data) for a tunnelled donor: its tunnel
-    address through the edge as a ProxyJump, which pyinfra makes with paramiko itself (a
-    direct-tcpip channel through the edge's sshd). Not a ProxyCommand: paramiko's ProxyCommand
-    counts a partial write to the command's stdin as whole, and under pyinfra's gevent the pipe
-    takes partial writes: the stream was corrupted ("Corrupted MAC on input") mid-deploy. The
-    edge's entry carries its own key and known_hosts file (an unknown host key refused)."""
-    jump = data.ssh_jump_data
-    if jump is None:
-        raise ValueError(f"donor {data.donor_name} is not reached through an edge")
-    alias = f"uncloseai-jump-{data.ssh_jump}"
-    lines = [f"# Written by the uncloseai inventory for donor {data.donor_name}: its SSH goes "
-             f"through edge {data.ssh_jump}.",
-             f"Host {alias}", f"    HostName {jump.ssh_hostname}",
-             f"    User {jump.ssh_user}", "    StrictHostKeyChecking yes",
-             "    ConnectTimeout 10"]
-    if int(jump.ssh_port) != 22:
-        # Only when not 22: pyinfra 3.10 passes a hop's Port as the config's string, and
-        # paramiko then looks its host key up as "[host]:22", which known_hosts never holds.
-        lines.append(f"    Port {jump.ssh_port}")
-    if jump.ssh_key:
-        lines.append(f"    IdentityFile {_ssh_config_word(jump.ssh_key)}")
-    if jump.ssh_known_hosts_file:
-        lines.append(f"    UserKnownHostsFile {_ssh_config_word(jump.ssh_known_hosts_file)}")
-    lines += [f"Host {data.ssh_hostname}", f"    ProxyJump {alias}",
-              "    StrictHostKeyChecking yes", ""]
-    return "\n".join(lines)
-
-
-def _ssh_config_word(path: str) -> str:
-    """A path as one ssh_config word (paramiko splits on whitespace; quotes group)."""
-    if '"' in path:
-        raise ValueError(f"{path!r}: a double quote cannot be in an ssh_config path")
-    return f'"{path}"' if any(c.isspace() for c in path) else path
-
-
-def write_ssh_config(data: DonorBox, directory: Path) -> str:
-    """ssh_config(data) in `directory` (made 0700), rewritten only when it differs; its path."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = directory / f"{data.donor_name}.ssh_config"
-    text = ssh_config(data)
-    if not path.exists() or path.read_text() != text:
-        staged = path.with_suffix(".tmp")
-        staged.write_text(text)
-        staged.replace(path)
-    return str(path)
-
-
-# ------------------------------------------------------------------ files on a box -----------
-
-
-def paths(tunnel: DonorTunnel | EdgeTunnel) -> dict[str, str]:
-    """The files of a box's tunnel, all under /etc/wireguard (root only)."""
-    return interface_paths(tunnel.interface)
-
-
-def interface_paths(interface: str) -> dict[str, str]:
-    """The files of the tunnel on `interface`."""
-    base = f"{KEY_DIR}/{interface}"
-    return {"conf": f"{base}.conf", "key": f"{base}.key", "public": f"{base}.pub",
-            "nft": f"{base}.nft"}
-
-
-def unit(tunnel: DonorTunnel | EdgeTunnel) -> str:
-    return f"wg-quick@{tunnel.interface}.service"
-
-
-def render_conf(tunnel: DonorTunnel | EdgeTunnel) -> str:
-    from donorkit.render import _environment  # render reads the host data's types: not at import
-
-    return _environment().get_template("wireguard.conf.j2").render(
-        tunnel=tunnel, paths=paths(tunnel), nft_table=NFT_TABLE)
-
-
-WATCH_UNIT = "uncloseai-tunnel-watch.service"
-
-
-def render_watch_unit(tunnel: DonorTunnel) -> str:
-    """A home donor's watch: one ping to each edge through the tunnel every watch_interval s
-    (templates/tunnel-watch.service.j2 says why)."""
-    from donorkit.render import _environment
-
-    return _environment().get_template("tunnel-watch.service.j2").render(
-        tunnel=tunnel, unit=unit(tunnel), edges=[peer.address for peer in tunnel.peers])
-
-
-def render_nft(tunnel: DonorTunnel | EdgeTunnel) -> str:
-    from donorkit.render import _environment
-
-    return _environment().get_template("tunnel.nft.j2").render(
-        tunnel=tunnel, nft_table=NFT_TABLE, edges=[peer.address for peer in tunnel.peers])

@@ -1,5 +1,5 @@
 """The [Service] settings a model unit may take (`unit_service` in defaults.yml): an allow-list,
-`UnitService`, with the systemd words each setting may hold (donorkit/schema.py uses it)."""
+`UnitService`, with the systemd words each setting may hold (donorkit/inventory/schema.py uses it)."""
 
 
 import re
@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
-from donorkit.values import _COMPONENT, Strict, _matching, _no_control
+from donorkit.inventory.values import COMPONENT, Strict, matching, no_control
 
 
 def _unit_text(value: str | int | bool) -> str:
@@ -24,7 +24,7 @@ def _setting(pattern: str, what: str) -> Any:
 
     def check(value: str | int | bool) -> str | int | bool:
         text = _unit_text(value)
-        _no_control(text)
+        no_control(text)
         if re.search(r"[0-9]{19}", text):  # past systemd's 64-bit values: it would ignore the line
             raise ValueError(f"{text!r}: a number of 19 digits or more is out of range")
         if not compiled.fullmatch(text):
@@ -41,14 +41,14 @@ PRIVILEGED_EXEC = {"ExecStartPre": ("-+/usr/bin/nvidia-modprobe -u -c=0",)}
 
 def _exec(key: str) -> Any:
     def check(value: str) -> str:
-        _no_control(value)
+        no_control(value)
         prefix = re.match(r"[-@:+!]*", value)[0]
         if ("+" in prefix or "!" in prefix) and value not in PRIVILEGED_EXEC.get(key, ()):
             allowed = PRIVILEGED_EXEC.get(key)
             raise ValueError(f"{value!r}: '+' and '!' run a command with full privileges; "
                              + (f"only {' or '.join(map(repr, allowed))} may"
                                 if allowed else f"no {key} may"))
-        if not re.fullmatch(rf"[-@:+!]*(/{_COMPONENT})+( [^\s].*)?", value):
+        if not re.fullmatch(rf"[-@:+!]*(/{COMPONENT})+( [^\s].*)?", value):
             raise ValueError(f"{value!r} is not an absolute command path with arguments")
         if ";" in value.split():  # older systemd starts another command line after a lone `;`
             raise ValueError(f"{value!r}: one command per setting (no ';' word)")
@@ -65,7 +65,7 @@ Bytes = _setting(r"infinity|[0-9]+[KMGTPE]?|[0-9]+(\.[0-9]+)?%", "a size (e.g. 1
 Limit = _setting(r"(infinity|[0-9]+[KMGTPE]?)(:(infinity|[0-9]+[KMGTPE]?))?",
                  "a resource limit (e.g. 65536, infinity)")
 Words = _setting(r"~?[@A-Za-z0-9_:.-]+( [@A-Za-z0-9_:.-]+)*", "a list of names")
-# The service user's own home only ({service_home}, filled in by donorkit.fleet): a path bound
+# The service user's own home only ({service_home}, filled in by donorkit.inventory.fleet): a path bound
 # or made writable elsewhere would hand the engine (or a setuid program it runs) the box.
 HomePaths = _setting(r"-?\{service_home\}(/[A-Za-z0-9._+@=,~-]+)*"
                      r"( -?\{service_home\}(/[A-Za-z0-9._+@=,~-]+)*)*",
@@ -179,7 +179,7 @@ class UnitService(Strict):
 
 # Read by the dynamic loader of every command the unit starts, the root-run `+` ExecStartPre
 # included: in a unit's environment they would run the engine's files as root.
-UnitEnvName = Annotated[str, _matching(r"(?!LD_)[A-Za-z_][A-Za-z0-9_]*",
+UnitEnvName = Annotated[str, matching(r"(?!LD_)[A-Za-z_][A-Za-z0-9_]*",
                                        "an environment variable name, not LD_* (read by the "
                                        "loader of the root-run ExecStartPre too)")]
 

@@ -1,4 +1,4 @@
-"""The inventory's value types (donorkit/schema.py's models are built of them): one rule for
+"""The inventory's value types (donorkit/inventory/schema.py's models are built of them): one rule for
 every string (no control characters, nothing that would hand the box away), absolute paths and
 the folders they must be under, SSH addresses and one box's identity, Caddy durations (parsed
 once: `duration_ns`), package requirements, vLLM arguments, and `Strict`, every section's base."""
@@ -24,7 +24,7 @@ _REFUSED_CATEGORIES = {"Cc": "control", "Cf": "format", "Zl": "line separator",
                        "Zp": "paragraph separator", "Cs": "surrogate", "Co": "private use"}
 
 
-def _no_control(text: str) -> str:
+def no_control(text: str) -> str:
     """THE rule every string of the inventory obeys (keys included, at any depth, donors and
     edges, known fields or not: check_strings walks the files with it before anything else):
     no control, format or separator characters; no backslash (an escape in every file the
@@ -44,11 +44,11 @@ def _no_control(text: str) -> str:
 
 def check_strings(node: Any, path: tuple = ()) -> tuple[tuple, str] | None:
     """The first string of a parsed YAML document, key or value, at any depth, that breaks the
-    rule of _no_control: (its path, the problem), or None. donorkit.fleet runs it on each file
+    rule of no_control: (its path, the problem), or None. donorkit.inventory.fleet runs it on each file
     before validating anything, so no field, known or not, is exempt."""
     if isinstance(node, str):
         try:
-            _no_control(node)
+            no_control(node)
         except ValueError as exc:
             return path, str(exc)
         return None
@@ -65,7 +65,7 @@ def check_strings(node: Any, path: tuple = ()) -> tuple[tuple, str] | None:
     return None
 
 
-def _matching(pattern: str, what: str) -> AfterValidator:
+def matching(pattern: str, what: str) -> AfterValidator:
     compiled = re.compile(pattern)
 
     def check(text: str) -> str:
@@ -76,29 +76,29 @@ def _matching(pattern: str, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-Text = Annotated[str, AfterValidator(_no_control)]
+Text = Annotated[str, AfterValidator(no_control)]
 """Any string without control characters (quoted wherever it is written)."""
 
 Name = Annotated[str, Field(max_length=63),
-                 _matching(r"[a-z0-9][a-z0-9-]*", "a name (lowercase letters, digits, '-'; "
+                 matching(r"[a-z0-9][a-z0-9-]*", "a name (lowercase letters, digits, '-'; "
                                                   "not starting with '-')")]
 """Donor names, card profiles and model identities: they become file and unit names."""
 
 
 # One path component: letters, digits and `._+@=,~-` (no whitespace, quotes, braces, `$`, `%`,
 # `;`, `#`: nothing a shell, a unit or a Caddyfile reads as syntax).
-_COMPONENT = r"[A-Za-z0-9._+@=,~-]+"
+COMPONENT = r"[A-Za-z0-9._+@=,~-]+"
 
 
 def _abs_path(text: str) -> str:
-    if not re.fullmatch(rf"(/{_COMPONENT})+|/", text) or \
+    if not re.fullmatch(rf"(/{COMPONENT})+|/", text) or \
             any(part in (".", "..") for part in text.split("/")):
         raise ValueError(f"{text!r} is not an absolute path of letters, digits and '._+@=,~-' "
                          "(no whitespace, quotes, braces, '.' or '..')")
     return text
 
 
-AbsPath = Annotated[str, AfterValidator(_no_control), AfterValidator(_abs_path)]
+AbsPath = Annotated[str, AfterValidator(no_control), AfterValidator(_abs_path)]
 """A path on the box: absolute, plain characters only, no `.` or `..` components."""
 
 
@@ -112,19 +112,19 @@ def under(root: str, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _install_root(text: str) -> str:
-    if not re.fullmatch(rf"/(opt|srv)/{_COMPONENT}(/{_COMPONENT})*", text):
+def valid_install_root(text: str) -> str:
+    if not re.fullmatch(rf"/(opt|srv)/{COMPONENT}(/{COMPONENT})*", text):
         raise ValueError(f"{text!r} is not a directory of the deploy's own under /opt/ or /srv/ "
                          "(it is created and chowned root: never a system directory)")
     return text
 
 
-LocalPath = Annotated[str, Field(min_length=1), AfterValidator(_no_control),
-                      _matching(r"[A-Za-z0-9._+@=,~/-]+", "a path of letters, digits and "
+LocalPath = Annotated[str, Field(min_length=1), AfterValidator(no_control),
+                      matching(r"[A-Za-z0-9._+@=,~/-]+", "a path of letters, digits and "
                                                          "'._+@=,~/-' (no whitespace or quotes)")]
 """A path on the operator's machine; relative paths are relative to the repository root."""
 
-UserName = Annotated[str, _matching(r"[a-z_][a-z0-9_-]{0,31}",
+UserName = Annotated[str, matching(r"[a-z_][a-z0-9_-]{0,31}",
                                     "a user name (lowercase, at most 32 characters)")]
 
 
@@ -139,7 +139,7 @@ RESERVED_USERS = frozenset({
     "admin", "operator", "adm", "sudo", "staff", "users", "nogroup", "disk", "video", "render"})
 
 
-def _not_root(text: str) -> str:
+def not_root(text: str) -> str:
     if text == "root":
         raise ValueError("the service must not run as root")
     if text in RESERVED_USERS or text.startswith("systemd-"):
@@ -160,7 +160,7 @@ def _not_http_port(port: int) -> int:
 
 CaddyTlsPort = Annotated[int, Field(ge=1, le=65535), AfterValidator(_not_http_port)]
 """The port of a Caddy TLS site (a donor's caddy_https_port, an edge's edge_https_port)."""
-Hostname = Annotated[str, Field(max_length=253), _matching(
+Hostname = Annotated[str, Field(max_length=253), matching(
     r"([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}", "a DNS hostname")]
 """A public hostname (lowercase, fully qualified)."""
 
@@ -188,7 +188,7 @@ def _ssh_host(text: str) -> str:
     raise ValueError(f"{text!r} is another spelling of an IPv4 address: write it as a.b.c.d")
 
 
-SshHost = Annotated[str, AfterValidator(_no_control), AfterValidator(_ssh_host)]
+SshHost = Annotated[str, AfterValidator(no_control), AfterValidator(_ssh_host)]
 """What pyinfra connects to: a hostname or an IPv4/IPv6 address (never empty, never `-...`, no
 zone id, no inet_aton spelling like `127.1`)."""
 
@@ -243,31 +243,31 @@ def _url_authority(text: str) -> str:
 
 
 UrlHostPort = AfterValidator(_url_authority)
-Url = Annotated[str, _matching(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%+/-]*)?",
+Url = Annotated[str, matching(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~%+/-]*)?",
                                "an http(s) URL (host, optional port and path; no query)"),
                 UrlHostPort]
-GitUrl = Annotated[str, _matching(
+GitUrl = Annotated[str, matching(
     r"(https?|git|ssh)://[A-Za-z0-9.@:-]+(/[A-Za-z0-9._~%+/-]*)?|file:///[A-Za-z0-9._~%+/-]+",
     "a git URL (http(s)://, git://, ssh:// or file:///; no query)"), UrlHostPort]
-UrlTemplate = Annotated[str, _matching(
+UrlTemplate = Annotated[str, matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{distro\})*)?",
     "an http(s) URL (may contain {distro})"), UrlHostPort]
 GitRef = Annotated[str, Field(max_length=200),
-                   _matching(r"[A-Za-z0-9][A-Za-z0-9._/+-]*", "a git tag, branch or commit")]
-Version = Annotated[str, _matching(r"[0-9][0-9A-Za-z.+-]*", "a version (e.g. 0.26.0)")]
-DriverVersion = Annotated[str, _matching(r"[0-9]+(\.[0-9]+)*", "an NVIDIA driver version "
+                   matching(r"[A-Za-z0-9][A-Za-z0-9._/+-]*", "a git tag, branch or commit")]
+Version = Annotated[str, matching(r"[0-9][0-9A-Za-z.+-]*", "a version (e.g. 0.26.0)")]
+DriverVersion = Annotated[str, matching(r"[0-9]+(\.[0-9]+)*", "an NVIDIA driver version "
                                                                "(e.g. 580.65.06)")]
-VllmVariant = Annotated[str, _matching(r"cu[0-9]{3}", "a CUDA variant like cu129")]
-WheelUrlTemplate = Annotated[str, _matching(
+VllmVariant = Annotated[str, matching(r"cu[0-9]{3}", "a CUDA variant like cu129")]
+WheelUrlTemplate = Annotated[str, matching(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/([A-Za-z0-9._~%+/-]|\{version\}|\{variant\})*)?",
     "an http(s) URL (may contain {version} and {variant})"), UrlHostPort]
-Arch = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a compute capability MAJOR.MINOR")]
-CudaVersion = Annotated[str, _matching(r"[0-9]+\.[0-9]+", "a CUDA version MAJOR.MINOR")]
-DebPackage = Annotated[str, _matching(r"[a-z0-9][a-z0-9+.-]+", "a Debian package name")]
-Distro = Annotated[str, _matching(r"[a-z]+[0-9]+", "<ID><VERSION_ID without dots>")]
-FileName = Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9._+-]*", "a file name")]
-EnvName = Annotated[str, _matching(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name")]
-HeaderName = Annotated[str, _matching(r"[A-Za-z0-9][A-Za-z0-9-]*", "an HTTP header name")]
+Arch = Annotated[str, matching(r"[0-9]+\.[0-9]+", "a compute capability MAJOR.MINOR")]
+CudaVersion = Annotated[str, matching(r"[0-9]+\.[0-9]+", "a CUDA version MAJOR.MINOR")]
+DebPackage = Annotated[str, matching(r"[a-z0-9][a-z0-9+.-]+", "a Debian package name")]
+Distro = Annotated[str, matching(r"[a-z]+[0-9]+", "<ID><VERSION_ID without dots>")]
+FileName = Annotated[str, matching(r"[A-Za-z0-9][A-Za-z0-9._+-]*", "a file name")]
+EnvName = Annotated[str, matching(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name")]
+HeaderName = Annotated[str, matching(r"[A-Za-z0-9][A-Za-z0-9-]*", "an HTTP header name")]
 _DURATION_UNITS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
                    "h": 3600 * 10**9}
 _DURATION_PART = re.compile(r"([0-9]+)(?:\.([0-9]+))?(ns|us|ms|s|m|h)")
@@ -323,26 +323,26 @@ DurationOrZero = Annotated[str, _duration(0)]
 # Where a client's request cannot choose the value: the connection's own address. A header, the
 # Host, the URI or the remote port would let each client pick its own bucket.
 SERVER_KNOWN_KEYS = ("{remote_host}", "{http.request.remote.host}")
-Placeholder = Annotated[str, _matching(r"\{[a-z][A-Za-z0-9_.>-]*\}",
+Placeholder = Annotated[str, matching(r"\{[a-z][A-Za-z0-9_.>-]*\}",
                                        "a Caddy placeholder (e.g. {remote_host})")]
 
 
-def _server_known(text: str) -> str:
+def server_known(text: str) -> str:
     if text not in SERVER_KNOWN_KEYS:
         raise ValueError(f"{text!r} is chosen by the client or not known per connection: use "
                          f"one of {', '.join(SERVER_KNOWN_KEYS)}")
     return text
-UriPath = Annotated[str, _matching(r"/[A-Za-z0-9._~/-]*", "a URI path (e.g. /v1/models)")]
-Executable = Annotated[str, _matching(rf"[A-Za-z0-9._+-]+|(/{_COMPONENT})+",
+UriPath = Annotated[str, matching(r"/[A-Za-z0-9._~/-]*", "a URI path (e.g. /v1/models)")]
+Executable = Annotated[str, matching(rf"[A-Za-z0-9._+-]+|(/{COMPONENT})+",
                                       "a command name or an absolute path")]
-ExecutableTemplate = Annotated[str, AfterValidator(_no_control),
-                               _matching(rf"(\{{venv_dir\}})?(/{_COMPONENT})+",
+ExecutableTemplate = Annotated[str, AfterValidator(no_control),
+                               matching(rf"(\{{venv_dir\}})?(/{COMPONENT})+",
                                          "an absolute path (may start with {venv_dir})")]
-Commit = Annotated[str, _matching(r"[0-9a-f]{40}", "a commit hash (40 lowercase hex digits)")]
+Commit = Annotated[str, matching(r"[0-9a-f]{40}", "a commit hash (40 lowercase hex digits)")]
 """A checkpoint's pinned revision: a full commit hash, never a branch or a tag that can move."""
 
-Checkpoint = Annotated[str, AfterValidator(_no_control), _matching(
-    rf"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?|(/{_COMPONENT})+",
+Checkpoint = Annotated[str, AfterValidator(no_control), matching(
+    rf"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?|(/{COMPONENT})+",
     "a Hugging Face repository id (owner/name) or an absolute path")]
 
 
@@ -386,7 +386,7 @@ def _model_arg(value: str | int | float) -> str:
     if isinstance(value, int) and not -2**63 <= value < 2**63:
         raise ValueError(f"{value} is out of range (a 64-bit integer)")
     text = str(value)
-    _no_control(text)
+    no_control(text)
     owned = owned_option(text)
     if owned:
         raise ValueError(f"{text!r} would set {owned}, which the deploy owns "
@@ -404,6 +404,6 @@ class Strict(BaseModel):
 
     def to_json(self) -> Any:
         """pyinfra's CLI shows host data as JSON (`debug-inventory`): it asks this method of each
-        value it cannot write itself (the typed host data, donorkit/host_data.py, is made of
+        value it cannot write itself (the typed host data, donorkit/inventory/host_data.py, is made of
         these models)."""
         return self.model_dump(mode="json")

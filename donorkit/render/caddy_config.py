@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from donorkit.render import CADDY_DROP_IN, CADDYFILE, RenderedFile
+from donorkit.render.templates import CADDY_DROP_IN, CADDYFILE, RenderedFile
 from pyinfra_declared.files import ConfigFile, config_files, directories, owned_file
 from pyinfra_declared.services import reloaded_service
 

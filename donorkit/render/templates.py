@@ -12,11 +12,11 @@ from pathlib import Path
 
 import jinja2
 
-from donorkit.errors import DonorsError
-from donorkit.host_data import DonorBox, EdgeBox, ServedModel
-from donorkit.paths import REPO_ROOT, pki_dir
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.values import caddy_duration
+from donorkit.inventory.errors import DonorsError
+from donorkit.inventory.host_data import DonorBox, EdgeBox, ServedModel
+from donorkit.inventory.paths import REPO_ROOT, pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
+from donorkit.inventory.values import caddy_duration
 
 TEMPLATES = REPO_ROOT / "templates"
 UNIT_DIR = "/etc/systemd/system"
@@ -55,7 +55,7 @@ def systemd_quote(text: str) -> str:
     """One word of a unit setting, exactly as given: inside double quotes systemd undoes C
     escapes, so `\\` and `"` are escaped; `%` is doubled (specifiers, expanded on the whole line
     before any quoting is read). Newlines and other control characters are refused by the schema
-    (donorkit/values.py) and here."""
+    (donorkit/inventory/values.py) and here."""
     if any(unicodedata.category(c) == "Cc" for c in text):
         raise ValueError(f"control character in {text!r}: a unit word cannot carry it")
     if _PLAIN_WORD.fullmatch(text):
@@ -148,7 +148,7 @@ def caddy_comment(value: object) -> str:
 
 
 @functools.cache
-def _environment() -> jinja2.Environment:
+def jinja_environment() -> jinja2.Environment:
     """One per process, so each template is compiled once, not once per host."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                              undefined=jinja2.StrictUndefined, trim_blocks=True,
@@ -220,7 +220,7 @@ def exec_start(data: DonorBox, model: ServedModel) -> list[str]:
 
 
 def render_unit(data: DonorBox, model: ServedModel) -> str:
-    return _environment().get_template("vllm.service.j2").render(
+    return jinja_environment().get_template("vllm.service.j2").render(
         dict(data), model=model, environment=unit_environment(data, model),
         exec_start=exec_start(data, model))
 
@@ -247,7 +247,7 @@ def trusted_client_files(data: DonorBox) -> dict[str, str]:
 
 
 # Sent by an edge's health checks only (a client's copy is dropped by the edge): the donor's
-# Caddy fails these checks while its drain flag exists (the rolling rollout, donorkit/rollout.py).
+# Caddy fails these checks while its drain flag exists (the rolling rollout, donorkit/commands/rollout.py).
 EDGE_HEALTH_HEADER = "X-Uncloseai-Edge-Health"
 
 
@@ -260,7 +260,7 @@ def drain_flag(data: DonorBox) -> str:
 def render_caddyfile(data: DonorBox) -> str:
     cert, key = tls_paths(data)
     flag = Path(drain_flag(data))
-    return _environment().get_template("Caddyfile.j2").render(
+    return jinja_environment().get_template("Caddyfile.j2").render(
         dict(data), tls_cert=cert, tls_key=key, client_ca=client_ca_path(data),
         trusted_leafs=list(trusted_client_files(data)),
         edge_health_header=EDGE_HEALTH_HEADER, drain_flag_dir=str(flag.parent),
@@ -298,7 +298,7 @@ EDGE_PUBLIC_PATHS = ("/v1/*", "/version", "/health", "/docs", "/docs/*", "/opena
 
 
 def render_edge_caddyfile(data: EdgeBox) -> str:
-    return _environment().get_template("Caddyfile-edge.j2").render(
+    return jinja_environment().get_template("Caddyfile-edge.j2").render(
         dict(data), paths=edge_paths(data), health_body=health_body,
         edge_health_header=EDGE_HEALTH_HEADER, edge_public_paths=EDGE_PUBLIC_PATHS)
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import tunnel, tunnel_join
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import Pki, ca_fingerprint
-from donorkit.tunnel_operations import CONF_MARKER, TunnelOwnership, tunnel_is_ours
+from donorkit.box.tunnel_operations import CONF_MARKER, TunnelOwnership, tunnel_is_ours
+from donorkit.commands import join_file as tunnel_join
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import Pki, ca_fingerprint
+from donorkit.render import tunnel_files
 from pyinfra_declared.json_cases import plan, refusal_message
 from tests.unit.make import make
 from tests.unit.test_tunnel import donors_file
@@ -65,11 +66,11 @@ def test_the_good_join_file_is_accepted_and_adds_only_our_tunnel(joined) -> None
     settings = tunnel_join.local_tunnel_settings()
     data = tunnel_join.donor_tunnel(join, settings)
     assert data.packages == settings.packages  # the owner's checkout's, never the file's
-    conf = tunnel.render_conf(data)
+    conf = tunnel_files.render_conf(data)
     assert conf.startswith(CONF_MARKER)  # what the ownership check looks for
     assert [line for line in conf.splitlines() if line.startswith("AllowedIPs")] == [
         f"AllowedIPs = {join.tunnel.peers[0].address}/32"]
-    assert "tcp dport { 443, 22 }" in tunnel.render_nft(data)
+    assert "tcp dport { 443, 22 }" in tunnel_files.render_nft(data)
     assert "TCP 443 (Caddy) and 22 (sshd) open to those tunnel addresses only" in \
         tunnel_join.summary(join, settings)
 
@@ -77,57 +78,57 @@ def test_the_good_join_file_is_accepted_and_adds_only_our_tunnel(joined) -> None
 BAD = [
     # (what it tries, change to the data, expected in the line)
     ("a package list", lambda d: d["tunnel"].update(packages=["evil-rootkit"]),
-     "field 'tunnel.packages': unknown field"),
+     "field 'tunnel_plan.packages': unknown field"),
     ("the old free port list", lambda d: d["tunnel"].update(allowed_ports=[443, 22, 5432]),
-     "field 'tunnel.allowed_ports': unknown field"),
+     "field 'tunnel_plan.allowed_ports': unknown field"),
     ("a third port", lambda d: d["tunnel"]["ports"].update(postgres=5432),
-     "field 'tunnel.ports.postgres': unknown field"),
+     "field 'tunnel_plan.ports.postgres': unknown field"),
     ("a port out of range", lambda d: d["tunnel"]["ports"].update(ssh=0),
-     "field 'tunnel.ports.ssh'"),
+     "field 'tunnel_plan.ports.ssh'"),
     ("one port for both", lambda d: d["tunnel"]["ports"].update(ssh=443),
-     "field 'tunnel.ports.ssh': 443 is also the Caddy port"),
+     "field 'tunnel_plan.ports.ssh': 443 is also the Caddy port"),
     ("a peer of 1.1.1.1", lambda d: d["tunnel"]["peers"][0].update(address="1.1.1.1"),
-     "field 'tunnel.peers.0.address': 1.1.1.1 is not inside the tunnel pool 10.77.0.0/16"),
+     "field 'tunnel_plan.peers.0.address': 1.1.1.1 is not inside the tunnel pool 10.77.0.0/16"),
     ("a peer of 1.1.1.1/32", lambda d: d["tunnel"]["peers"][0].update(address="1.1.1.1/32"),
-     "field 'tunnel.peers.0.address': '1.1.1.1/32'"),
+     "field 'tunnel_plan.peers.0.address': '1.1.1.1/32'"),
     ("a second peer routing 1.1.1.1",
      lambda d: d["tunnel"]["peers"].append({**d["tunnel"]["peers"][0], "name": "evil",
                                             "address": "1.1.1.1"}),
-     "field 'tunnel.peers.1.address': 1.1.1.1 is not inside the tunnel pool"),
+     "field 'tunnel_plan.peers.1.address': 1.1.1.1 is not inside the tunnel pool"),
     ("a public pool", lambda d: d["tunnel"].update(pool="1.1.1.0/24"),
-     "field 'tunnel.pool': '1.1.1.0/24'"),
+     "field 'tunnel_plan.pool': '1.1.1.0/24'"),
     ("a loopback pool",
      lambda d: d["tunnel"].update(pool="127.0.0.0/8", address="127.0.0.2") or
      d["tunnel"]["peers"][0].update(address="127.0.0.1"),
-     "field 'tunnel.pool'"),  # the inventory's pool rule may say it first
+     "field 'tunnel_plan.pool'"),  # the inventory's pool rule may say it first
     ("a link-local pool (the metadata address)",
      lambda d: d["tunnel"].update(pool="169.254.169.0/24", address="169.254.169.2") or
      d["tunnel"]["peers"][0].update(address="169.254.169.254"),
-     "field 'tunnel.pool'"),
+     "field 'tunnel_plan.pool'"),
     ("the box's own address as a peer's",
      lambda d: d["tunnel"]["peers"][0].update(address=d["tunnel"]["address"]),
-     "field 'tunnel.peers.0.address'"),
+     "field 'tunnel_plan.peers.0.address'"),
     ("the pool's broadcast address", lambda d: d["tunnel"].update(address="10.77.255.255"),
-     "field 'tunnel.address': 10.77.255.255 is the pool's broadcast address"),
+     "field 'tunnel_plan.address': 10.77.255.255 is the pool's broadcast address"),
     ("a shell in the endpoint",
      lambda d: d["tunnel"]["peers"][0].update(endpoint="10.213.0.20:51820; rm -rf /"),
-     "field 'tunnel.peers.0.endpoint'"),
+     "field 'tunnel_plan.peers.0.endpoint'"),
     ("interface lo", lambda d: d["tunnel"].update(interface="lo"),
-     "field 'tunnel.interface': 'lo' is the box's loopback interface"),
+     "field 'tunnel_plan.interface': 'lo' is the box's loopback interface"),
     ("interface ..", lambda d: d["tunnel"].update(interface=".."),
-     "field 'tunnel.interface': '..'"),
+     "field 'tunnel_plan.interface': '..'"),
     ("interface .", lambda d: d["tunnel"].update(interface="."),
-     "field 'tunnel.interface': '.'"),
+     "field 'tunnel_plan.interface': '.'"),
     ("interface too long", lambda d: d["tunnel"].update(interface="a" * 16),
-     "field 'tunnel.interface'"),
+     "field 'tunnel_plan.interface'"),
     ("interface ../x", lambda d: d["tunnel"].update(interface="../x"),
-     "field 'tunnel.interface'"),
+     "field 'tunnel_plan.interface'"),
     ("too many peers",
      lambda d: d["tunnel"].update(peers=[dict(d["tunnel"]["peers"][0], name=f"e{i}")
                                          for i in range(17)]),
-     "field 'tunnel.peers': list should have at most 16 items"),
+     "field 'tunnel_plan.peers': list should have at most 16 items"),
     ("a control character", lambda d: d["tunnel"]["peers"][0].update(name="edge\x1b[2J"),
-     "field 'tunnel.peers.0.name': control character"),
+     "field 'tunnel_plan.peers.0.name': control character"),
     ("an unknown top-level field", lambda d: d.update(run="curl x | sh"),
      "field 'run': unknown field"),
 ]
@@ -193,11 +194,11 @@ def test_the_signature_tells_the_operators_file(joined, tmp_path) -> None:
 ])
 def test_the_file_is_read_bounded_through_make_joins_entry_point(
         joined, what, text, expected) -> None:
-    """`python -m donorkit.tunnel_join check` (the first step of `make join`): one line, exit 2,
+    """`python -m donorkit.commands.join_file check` (the first step of `make join`): one line, exit 2,
     quickly (an alias bomb or a deep file is refused before it is built)."""
     path, fingerprint = joined
     path.write_bytes(text.encode("utf-8", "surrogateescape"))
-    result = subprocess.run([sys.executable, "-m", "donorkit.tunnel_join", "check", str(path),
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check", str(path),
                              "--fingerprint", fingerprint], capture_output=True, text=True,
                             timeout=60, cwd=REPO_ROOT)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -217,7 +218,7 @@ def test_make_join_file_signs_and_make_join_checks_it(tmp_path: Path) -> None:
     assert wrote.returncode == 0, wrote.stdout + wrote.stderr
     fingerprint = ca_fingerprint(Pki(tmp_path / "pki").ca_pem())
     assert f"FINGERPRINT={fingerprint}" in wrote.stdout
-    checked = subprocess.run([sys.executable, "-m", "donorkit.tunnel_join", "check", str(out),
+    checked = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check", str(out),
                               "--fingerprint", fingerprint], capture_output=True, text=True,
                              timeout=60, cwd=REPO_ROOT)
     assert checked.returncode == 0, checked.stderr
@@ -262,7 +263,7 @@ def test_the_ownership_fact_in_a_real_shell(joined, tmp_path) -> None:
     owners = tmp_path / "wg0.conf"
     owners.write_text("[Interface]\nPrivateKey = c2VjcmV0LW9mLXRoZS1vd25lcg==\n")
     ours = tmp_path / "ours.conf"
-    ours.write_text(tunnel.render_conf(data))
+    ours.write_text(tunnel_files.render_conf(data))
     link = tmp_path / "link.conf"
     link.symlink_to(ours)
     fact = TunnelOwnership()

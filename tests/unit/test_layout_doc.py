@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 from pyinfra_declared import files
 
 LAYOUT = (REPO_ROOT / "docs/layout.md").read_text()
