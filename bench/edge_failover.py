@@ -10,10 +10,11 @@ requests at most, --seconds at most) runs across, for each case:
   box:   donor B's Caddy killed, then started again (connections to B refused meanwhile).
 Printed per case: requests, answered by A / by B, failed (with their times after the stop), how
 long until B got no more requests, how long after the start until B got one again.
-A third case, rollout: the rolling rollout's own drain and wait (donorkit.commands.rollout.RolloutHosts'
-take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
-from its output file instead of its journal) around a model restart of A, then of B, under
-the same loop: requests, failed, and how long each box took to leave and to rejoin the pool.
+A third case, rollout: the rolling rollout's own drain and wait
+(donorkit.commands.rollout.RolloutHosts' take_out, wait_in_service, wait_back; its SSH commands run
+here instead, the edge's log read from its output file instead of its journal) around a model
+restart of A, then of B, under the same loop: requests, failed, and how long each box took to leave
+and to rejoin the pool.
 
     python -m bench.edge_failover [--edge-caddy /usr/bin/caddy] [--donor-caddy /usr/bin/caddy]
 """

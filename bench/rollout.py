@@ -6,11 +6,11 @@
 Brings up N testbed hosts of the rtx4090 stack, all serving ONE public hostname, converges them
 with the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
 donors file; the stand-in vLLM takes --load-delay seconds to list its model after a start), then
-for each size in --sizes: `python -m donorkit.commands.rollout` over the first `size` boxes, one at a time,
-with a change that restarts vLLM on every box (the load delay moves by 0.5 s), while a bounded
-request loop asks each box's GPU-side Caddy for /v1/models. Prints, per rollout: the whole time,
-each box's out-of-service window (its journal: unit stop to the model listed), the requests sent
-and failed per box, and the rounds in which no box answered (what a client failing over between
+for each size in --sizes: `python -m donorkit.commands.rollout` over the first `size` boxes, one at
+a time, with a change that restarts vLLM on every box (the load delay moves by 0.5 s), while a
+bounded request loop asks each box's GPU-side Caddy for /v1/models. Prints, per rollout: the whole
+time, each box's out-of-service window (its journal: unit stop to the model listed), the requests
+sent and failed per box, and the rounds in which no box answered (what a client failing over between
 the boxes, as an edge does, would have seen fail).
 """
 

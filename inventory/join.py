@@ -1,8 +1,8 @@
 """A home donor joining the tunnel, on the box itself (pyinfra's @local connector): the join file
 $JOIN_FILE (written and signed by the operator's `make join-file`), checked whole and against
-the operator's CA fingerprint $JOIN_FINGERPRINT before anything runs (donorkit/commands/join_file.py);
-deploy.py applies the tunnel only (tasks/tunnel.py). Run by `make join JOIN=<file>
-FINGERPRINT=<fp>` as root on the box.
+the operator's CA fingerprint $JOIN_FINGERPRINT before anything runs
+(donorkit/commands/join_file.py); deploy.py applies the tunnel only (tasks/tunnel.py). Run by `make
+join JOIN=<file> FINGERPRINT=<fp>` as root on the box.
 
 Usage: JOIN_FILE=join-<donor>.yml JOIN_FINGERPRINT=<fp> pyinfra -y inventory/join.py deploy.py
 """

@@ -25,7 +25,7 @@ def apply() -> None:
         access_log=host.data.caddy_access_log,
     )
     # Last: every unit of the box passed its readiness gate, so it may take traffic again. The
-    # rolling rollout (donorkit/commands/rollout.py) creates this flag to take the box out of the edges'
-    # pools before its run; any run that gets here puts it back (an interrupted rollout
+    # rolling rollout (donorkit/commands/rollout.py) creates this flag to take the box out of the
+    # edges' pools before its run; any run that gets here puts it back (an interrupted rollout
     # converges).
     absent_path(name="Put the box back in the edges' pools", path=drain_flag(box))

@@ -1,6 +1,6 @@
-"""WireGuard tunnel (donorkit/inventory/tunnel_plan.py): a home donor behind NAT dials the edges serving its
-hostnames, each edge the hub of its donors. On every box of a tunnel: first a check that the
-interface's config and name are not someone else's (never replaced), then the tools,
+"""WireGuard tunnel (donorkit/inventory/tunnel_plan.py): a home donor behind NAT dials the edges
+serving its hostnames, each edge the hub of its donors. On every box of a tunnel: first a check
+that the interface's config and name are not someone else's (never replaced), then the tools,
 wireguard-go where the kernel has no module, the box's own key pair (the private key never
 leaves it), its public key checked against the inventory's, the config (no private key in it)
 and the tunnel's firewall table, then wg-quick@<interface> running them. A changed config is
@@ -27,8 +27,8 @@ from pyinfra_declared.services import service_running_its_files
 
 @deploy("WireGuard tunnel")
 def apply() -> None:
-    # A DonorTunnel or EdgeTunnel (donorkit/inventory/host_data.py): the inventory's, or the join file's
-    # (inventory/join.py).
+    # A DonorTunnel or EdgeTunnel (donorkit/inventory/host_data.py): the inventory's, or the join
+    # file's (inventory/join.py).
     tunnel = host.data.tunnel
     files = tunnel_files.paths(tunnel)
     state = f"{host.data.install_root}/state"
@@ -55,8 +55,9 @@ def apply() -> None:
                ConfigFile(content=tunnel_files.render_conf(tunnel), dest=files["conf"], mode="600",
                           pending_marker=conf_marker)],
     )
-    tunnel_running(name=f"Run the tunnel ({tunnel_files.unit(tunnel)})", unit=tunnel_files.unit(tunnel),
-                   interface=tunnel.interface, private_key=files["key"],
+    tunnel_running(name=f"Run the tunnel ({tunnel_files.unit(tunnel)})",
+                   unit=tunnel_files.unit(tunnel), interface=tunnel.interface,
+                   private_key=files["key"],
                    pending_marker=conf_marker)
     firewall_loaded(name="Load the tunnel's firewall", nft_file=files["nft"],
                     table=tunnel_files.NFT_TABLE, pending_marker=nft_marker)

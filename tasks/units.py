@@ -78,7 +78,8 @@ def apply() -> None:
                 builders=tuple(box.cache_builders))
             ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
-            # What the stack still lacks, built outside the unit's cgroup (donorkit/box/prebuild.py).
+            # What the stack still lacks, built outside the unit's cgroup
+            # (donorkit/box/prebuild.py).
             prebuild_kernels(
                 name=f"Kernels for {model.unit}: FlashInfer's, built before it starts",
                 kernels=kernels, command=prebuild_command(

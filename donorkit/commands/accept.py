@@ -1,7 +1,8 @@
 """Acceptance of donors (`make accept [LIMIT=host]`): what each box delivers, measured through its
 public hostname with the OpenAI Python client (what the network's users run), recorded, and
 compared with its card's baseline. This module measures and is the command line; what does not
-touch the network (targets, tool cases, the record, the comparison) is donorkit/commands/accept_records.py.
+touch the network (targets, tool cases, the record, the comparison) is
+donorkit/commands/accept_records.py.
 
 Per donor and model identity it serves (the first public hostname routed to it):
 - `/v1/models` lists the checkpoint with the configured `max_model_len`; `/version`;
@@ -17,8 +18,8 @@ each chunk when asked; a chunk without them counts one), so the figures come fro
 a stream that delivers more than was asked for fails, and a donor
 claiming more completion tokens than it streamed (beyond a small slack), or more prompt tokens
 than the characters it was sent, fails the required check `usage`. Everything a donor sends is
-capped in bytes and in time per request (donorkit/commands/transport.py), and every field of it recorded
-or printed is bounded and escaped (transport.shown).
+capped in bytes and in time per request (donorkit/commands/transport.py), and every field of it
+recorded or printed is bounded and escaped (transport.shown).
 
 Each long prompt starts with a fresh random line, so vLLM's prefix cache cannot serve it. Prompt
 sizes are in tokens of the served model's tokenizer: a probe request measures its characters per

@@ -1,6 +1,6 @@
-"""The pure half of `make accept` (donorkit/commands/accept.py is the measuring and the command line):
-the tool-call cases (data: donorkit/commands/tool_cases.yml) and their check, which way each donor is
-reached (targets), the record as a model, the comparison with the card's baseline and the
+"""The pure half of `make accept` (donorkit/commands/accept.py is the measuring and the command
+line): the tool-call cases (data: donorkit/commands/tool_cases.yml) and their check, which way each
+donor is reached (targets), the record as a model, the comparison with the card's baseline and the
 failures it names, and the summary table. Nothing here opens a connection."""
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ FIGURES: dict[str, Literal["higher", "lower"]] = {
     "ttft_s": "lower", "concurrent_wall_s": "lower",
 }
 
-# What a donor's `usage` may claim beyond what `make accept` received (donorkit/commands/accept.py counts
-# one streamed chunk per token): a few tokens, or this fraction of them, whichever is more. The
-# figures are the received tokens' whatever the claim: the slack gains a donor nothing.
+# What a donor's `usage` may claim beyond what `make accept` received (donorkit/commands/accept.py
+# counts one streamed chunk per token): a few tokens, or this fraction of them, whichever is more.
+# The figures are the received tokens' whatever the claim: the slack gains a donor nothing.
 USAGE_SLACK_TOKENS, USAGE_SLACK = 4, 0.05
 # Prompt tokens a chat template adds to the characters sent (a token is at least one
 # character of the ASCII text sent; Llama 3.1's and Qwen's templates add a few dozen tokens).

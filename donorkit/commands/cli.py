@@ -6,7 +6,8 @@ directory outside the checkout, `--fleet DIR` or $DONORS_FLEET (`donors init DIR
 without one, the example inventory/donors.yml of this checkout is used (the testbed's, old
 scripts'). The modules are imported by the action that needs them (`donors --help` stays
 instant). Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`,
-and the exit code of the table in `donors --help` (donorkit/inventory/errors.py); never a traceback."""
+and the exit code of the table in `donors --help` (donorkit/inventory/errors.py); never a
+traceback."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""A home donor's join file (donorkit/inventory/tunnel_plan.py plans the tunnel): `make join-file` writes it on
-the operator's machine from the inventory (the edges' endpoints and public keys, the donor's
-tunnel address, the two ports the edges reach: nothing secret), signed with the operator's CA
-key (donorkit/inventory/pki.py), and prints the CA's fingerprint; `make join` reads it on the box, as
-root, and refuses it in one line unless it is what this module allows and signed by the CA of
-that fingerprint (which the owner got from the operator apart from the file). Then it prints
+"""A home donor's join file (donorkit/inventory/tunnel_plan.py plans the tunnel): `make join-file`
+writes it on the operator's machine from the inventory (the edges' endpoints and public keys, the
+donor's tunnel address, the two ports the edges reach: nothing secret), signed with the operator's
+CA key (donorkit/inventory/pki.py), and prints the CA's fingerprint; `make join` reads it on the
+box, as root, and refuses it in one line unless it is what this module allows and signed by the CA
+of that fingerprint (which the owner got from the operator apart from the file). Then it prints
 the box's public keys for the operator to paste.
 
 What a join file can make the box do is narrow by construction: one WireGuard interface of our

@@ -2,8 +2,8 @@
 next one starts, stopping at the first failure.
 
     make rollout [BATCH=N] [FROM=HOST] [INVENTORY=inventory/gpus.py] [PLAN=1] [UNLOCK=1]
-    .venv/bin/python -m donorkit.commands.rollout [--inventory FILE] [--batch N] [--from HOST] [--plan]
-                                         [--unlock] [-- extra pyinfra arguments]
+    .venv/bin/python -m donorkit.commands.rollout [--inventory FILE] [--batch N] [--from HOST]
+                                         [--plan] [--unlock] [-- extra pyinfra arguments]
 
 Each batch is one run of the real entry point, `pyinfra -y INVENTORY deploy.py --limit A
 --limit B ...`: the deploy fetches weights before any unit restarts and passes each restarted

@@ -1,8 +1,9 @@
-"""The fleet as the rolling rollout reaches it (donorkit/commands/rollout.py drives it): SSH to each box
-and edge opened when first needed (an unreachable one is one line), the rollout's locks, whether
-a box serves again (through its GPU-side Caddy as an edge asks, or on its loopback), and taking
-a box out of the edges' pools (its drain flag) and waiting for it to be back. The decisions
-behind each (batches, the edges' view, the lock's commands) are donorkit/commands/rollout_plan.py."""
+"""The fleet as the rolling rollout reaches it (donorkit/commands/rollout.py drives it): SSH to
+each box and edge opened when first needed (an unreachable one is one line), the rollout's locks,
+whether a box serves again (through its GPU-side Caddy as an edge asks, or on its loopback), and
+taking a box out of the edges' pools (its drain flag) and waiting for it to be back. The decisions
+behind each (batches, the edges' view, the lock's commands) are
+donorkit/commands/rollout_plan.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The rolling rollout's pure core (donorkit/commands/rollout.py drives it and is the command line): the
-boxes and edges of an inventory, the batches and the plan's text, what an edge's health checker
-and admin API say about a box, and the lock's commands. Nothing here connects anywhere; what a
-rollout does and in which order is said in donorkit/commands/rollout.py."""
+"""The rolling rollout's pure core (donorkit/commands/rollout.py drives it and is the command
+line): the boxes and edges of an inventory, the batches and the plan's text, what an edge's health
+checker and admin API say about a box, and the lock's commands. Nothing here connects anywhere;
+what a rollout does and in which order is said in donorkit/commands/rollout.py."""
 
 from __future__ import annotations
 

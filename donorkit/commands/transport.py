@@ -18,8 +18,8 @@ capped in bytes (ANSWER_LIMIT, AnswerTooLarge) and in wall time for the whole ex
 waits too long), and every field of it that is printed or recorded goes through `shown`
 (bounded, control and bidi characters escaped).
 
-Paths on this machine (the CA, the client pairs) come from donorkit.inventory.paths' one resolver; Caddy's
-durations from donorkit.inventory.values.duration_ns.
+Paths on this machine (the CA, the client pairs) come from donorkit.inventory.paths' one resolver;
+Caddy's durations from donorkit.inventory.values.duration_ns.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def client_context(ca: Path | str | None, client: tuple[Path | str, Path | str] 
 class PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to `address`, with `hostname` as SNI and Host (one connection, one request: no
     keep-alive across requests, as every hop to vLLM). `proxy`: a command whose stdin and
-    stdout are the TCP stream (a home donor's `ssh -W` through the edge, donorkit/inventory/tunnel_plan.py)."""
+    stdout are the TCP stream (a home donor's `ssh -W` through the edge,
+    donorkit/inventory/tunnel_plan.py)."""
 
     def __init__(self, address: str, port: int, hostname: str, context: ssl.SSLContext,
                  timeout: float, proxy: list[str] | None = None) -> None:
@@ -363,8 +364,8 @@ def edge_client_pair(data: DonorBox | EdgeBox, edge: str) -> tuple[Path, Path]:
 
 
 def jump_socket(data: DonorBox | EdgeBox):
-    """A home donor (donorkit/inventory/tunnel_plan.py): its SSH stream through the edge (OpenSSH's `-W`), as
-    a socket for paramiko; None for a box reached directly (an edge always is)."""
+    """A home donor (donorkit/inventory/tunnel_plan.py): its SSH stream through the edge (OpenSSH's
+    `-W`), as a socket for paramiko; None for a box reached directly (an edge always is)."""
     command = getattr(data, "ssh_proxy_command", None)
     if not command:
         return None

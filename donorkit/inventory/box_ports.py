@@ -3,8 +3,8 @@ second would fail to bind at its start, or take the first's traffic). A donor's 
 (`ssh_port`), its Caddy (`caddy_https_port`, on every address of a direct donor) and its models
 (`models.<m>.port`, on loopback: sshd listens on every address, loopback included); an edge's
 sshd and its Caddy (`edge_https_port`, and port 80 for ACME's HTTP listener). The tunnel's own
-port is UDP (no TCP service shares it). donorkit.inventory.fleet calls these with each box's data once
-merged; schema.check_box already keeps a donor's models off each other's and Caddy's ports."""
+port is UDP (no TCP service shares it). donorkit.inventory.fleet calls these with each box's data
+once merged; schema.check_box already keeps a donor's models off each other's and Caddy's ports."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from donorkit.inventory.values import (
     VllmVariant,
 )
 
-# `make accept` (donorkit/commands/accept.py): the workload, the tolerance, and per card its baseline.
-# Every number bounded: a token count within any model's context (16M), at most 1024 prompts at
-# once, a request's timeout within a day, a measured figure finite.
+# `make accept` (donorkit/commands/accept.py): the workload, the tolerance, and per card its
+# baseline. Every number bounded: a token count within any model's context (16M), at most 1024
+# prompts at once, a request's timeout within a day, a measured figure finite.
 PositiveInt = Annotated[int, Field(ge=1, le=2**24)]
 Prompts = Annotated[int, Field(ge=1, le=1024)]
 Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)]

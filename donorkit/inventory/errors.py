@@ -1,4 +1,5 @@
-"""The one error base class and the one exit-code table of the `donors` command (donorkit/commands/cli.py).
+"""The one error base class and the one exit-code table of the `donors` command
+(donorkit/commands/cli.py).
 
 Every operator mistake the toolkit detects is a DonorsError whose message is one line naming the
 file, the host and the field (`<file>: donor '<name>': field '<f>': <what>`); the command prints

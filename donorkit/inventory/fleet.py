@@ -1,7 +1,7 @@
 """Load and validate the fleet (donors.yml + defaults.yml) into per-host pyinfra data.
 
-What each key may hold is donorkit/inventory/schema.py. Every user mistake becomes one FleetError naming the
-file, the entry and the field, raised before any connection is made.
+What each key may hold is donorkit/inventory/schema.py. Every user mistake becomes one FleetError
+naming the file, the entry and the field, raised before any connection is made.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _donor_box(name: str, donor: schema.Donor, merged: dict, settings: schema.De
         install = venv_install(card, settings)
     except RequirementsFileError as exc:
         raise FleetError(f"{where}: field 'cards.{card.name}.requirements_file': {exc}") from None
-    # A tunnelled donor is reached at its tunnel address (donorkit/inventory/tunnel_plan.py plans the rest),
-    # which is also its identity among the boxes.
+    # A tunnelled donor is reached at its tunnel address (donorkit/inventory/tunnel_plan.py plans
+    # the rest), which is also its identity among the boxes.
     tunnel_host = None if donor.reach != "tunnel" else (
         donor.tunnel_address or tunnel_plan.derived_address(settings.tunnel.pool, name))
     # A volunteer's box (its owner is root on it) gets no operator secret: no Hugging Face

@@ -5,9 +5,9 @@ in tasks/); the rendering, the rollout, `make accept`, `make status` and the ver
 read the same models (`load_inventory` returns them), never a key no model names.
 
 The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
-donors file's overrides, validated there); the rest is derived once, in donorkit.inventory.fleet: the card
-profile with its name, the served models with their units, the CUDA paths, the venv's install.
-An edge carries the few settings its Caddy needs and one site per public hostname. A home
+donors file's overrides, validated there); the rest is derived once, in donorkit.inventory.fleet:
+the card profile with its name, the served models with their units, the CUDA paths, the venv's
+install. An edge carries the few settings its Caddy needs and one site per public hostname. A home
 donor behind NAT (`reach: tunnel`) and the edges that are its hubs also carry their tunnel
 (`DonorTunnel`, `EdgeTunnel`: donorkit.tunnel.plan makes them) and, on the donor, how this
 machine reaches it through an edge (`ssh_proxy_command`, `caddy_proxy_command`, `ssh_jump_data`).
@@ -218,8 +218,9 @@ class DonorBox(_Login, Settings):
     venv_index_args: list[str]
     vllm_installed_version: str         # what `vllm --version` reports
     trusted_clients: list[str]          # client certificates its Caddy accepts (edges, operator)
-    # How it is reached (donorkit/inventory/tunnel_plan.py): `direct` at ssh_host; `tunnel`, a home box behind
-    # NAT, at its tunnel address (ssh_hostname) through an edge: the rest is tunnel.plan's.
+    # How it is reached (donorkit/inventory/tunnel_plan.py): `direct` at ssh_host; `tunnel`, a home
+    # box behind NAT, at its tunnel address (ssh_hostname) through an edge: the rest is
+    # tunnel_plan.plan's.
     reach: Literal["direct", "tunnel"] = "direct"
     # Who is root on it (schema.Donor.owner, resolved): a volunteer's box gets no operator secret
     # and builds no cache another box uses.
@@ -276,8 +277,8 @@ class EdgeBox(_Login):
     public_tls: Literal["acme", "private_ca"]
     rate_limit: RateLimit | None
     sites: list[Site]
-    # As the hub of home donors (donorkit/inventory/tunnel_plan.py): where they dial it, its tunnel address
-    # (its entry's or derived; set when it is a hub), its key; `tunnel`: None when no
+    # As the hub of home donors (donorkit/inventory/tunnel_plan.py): where they dial it, its tunnel
+    # address (its entry's or derived; set when it is a hub), its key; `tunnel`: None when no
     # tunnelled donor is among its upstreams.
     tunnel_settings: TunnelSettings
     tunnel_endpoint: str

@@ -3,8 +3,8 @@ type, shape and range, in one place. Read this file as the reference of what the
 
 Validated with pydantic v2 (already installed as a dependency of pyinfra; pinned in
 pyproject.toml): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
-refused, and each error located by a path (`models.qwen.port`) that donorkit.inventory.fleet turns into one
-line naming the file, the donor and the field.
+refused, and each error located by a path (`models.qwen.port`) that donorkit.inventory.fleet turns
+into one line naming the file, the donor and the field.
 
 How the pieces fit (donorkit.inventory.fleet does the loading):
 - `Defaults` is defaults.yml. A donors file is `Inventory`: `donors:` (one `Donor` per box) and
@@ -203,8 +203,8 @@ class TunnelSettings(Strict):
 
 class Settings(Strict):
     """defaults.yml less its catalogues (`cards:`, `models:`): the settings a box's typed host
-    data carries as they are (donorkit/inventory/host_data.py's `DonorBox` extends this). Never validated
-    alone: its validator is built with the first model that validates (`Defaults`), not at
+    data carries as they are (donorkit/inventory/host_data.py's `DonorBox` extends this). Never
+    validated alone: its validator is built with the first model that validates (`Defaults`), not at
     import (pydantic's `defer_build`; every run imports this)."""
 
     model_config = ConfigDict(defer_build=True)
@@ -322,7 +322,8 @@ class Donor(Strict):
     routes: Annotated[dict[Hostname, Name], Field(min_length=1)]  # public hostname -> model
     overrides: dict[str, Any] = {}          # any defaults.yml key; validated after merging
     # direct: the edges and the operator reach ssh_host; tunnel: a home box behind NAT, it dials
-    # the edges over WireGuard (donorkit/inventory/tunnel_plan.py) and is reached at its tunnel address.
+    # the edges over WireGuard (donorkit/inventory/tunnel_plan.py) and is reached at its tunnel
+    # address.
     reach: Literal["direct", "tunnel"] = "direct"
     tunnel_address: TunnelAddress | None = None   # None: derived from the name, in the pool
     tunnel_public_key: WgKey | None = None  # what `make join` printed on the box; None: not joined

@@ -16,7 +16,8 @@ inventory alone (no host is asked):
   writes and reads it).
 
 The files a box gets (its WireGuard config, its nftables table) and the operator's ssh_config
-are donorkit/render/tunnel_files.py's. Key pairs are made on each box (`wg genkey`, tasks/tunnel.py); the private key never leaves it.
+are donorkit/render/tunnel_files.py's. Key pairs are made on each box (`wg genkey`,
+tasks/tunnel.py); the private key never leaves it.
 """
 
 from __future__ import annotations

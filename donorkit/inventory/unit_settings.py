@@ -1,5 +1,6 @@
 """The [Service] settings a model unit may take (`unit_service` in defaults.yml): an allow-list,
-`UnitService`, with the systemd words each setting may hold (donorkit/inventory/schema.py uses it)."""
+`UnitService`, with the systemd words each setting may hold (donorkit/inventory/schema.py uses
+it)."""
 
 
 import re
@@ -65,8 +66,8 @@ Bytes = _setting(r"infinity|[0-9]+[KMGTPE]?|[0-9]+(\.[0-9]+)?%", "a size (e.g. 1
 Limit = _setting(r"(infinity|[0-9]+[KMGTPE]?)(:(infinity|[0-9]+[KMGTPE]?))?",
                  "a resource limit (e.g. 65536, infinity)")
 Words = _setting(r"~?[@A-Za-z0-9_:.-]+( [@A-Za-z0-9_:.-]+)*", "a list of names")
-# The service user's own home only ({service_home}, filled in by donorkit.inventory.fleet): a path bound
-# or made writable elsewhere would hand the engine (or a setuid program it runs) the box.
+# The service user's own home only ({service_home}, filled in by donorkit.inventory.fleet): a path
+# bound or made writable elsewhere would hand the engine (or a setuid program it runs) the box.
 HomePaths = _setting(r"-?\{service_home\}(/[A-Za-z0-9._+@=,~-]+)*"
                      r"( -?\{service_home\}(/[A-Za-z0-9._+@=,~-]+)*)*",
                      "paths under {service_home} (space-separated, '-' prefix allowed)")

@@ -1,5 +1,5 @@
-"""The inventory's value types (donorkit/inventory/schema.py's models are built of them): one rule for
-every string (no control characters, nothing that would hand the box away), absolute paths and
+"""The inventory's value types (donorkit/inventory/schema.py's models are built of them): one rule
+for every string (no control characters, nothing that would hand the box away), absolute paths and
 the folders they must be under, SSH addresses and one box's identity, Caddy durations (parsed
 once: `duration_ns`), package requirements, vLLM arguments, and `Strict`, every section's base."""
 
@@ -44,8 +44,8 @@ def no_control(text: str) -> str:
 
 def check_strings(node: Any, path: tuple = ()) -> tuple[tuple, str] | None:
     """The first string of a parsed YAML document, key or value, at any depth, that breaks the
-    rule of no_control: (its path, the problem), or None. donorkit.inventory.fleet runs it on each file
-    before validating anything, so no field, known or not, is exempt."""
+    rule of no_control: (its path, the problem), or None. donorkit.inventory.fleet runs it on each
+    file before validating anything, so no field, known or not, is exempt."""
     if isinstance(node, str):
         try:
             no_control(node)
@@ -404,6 +404,6 @@ class Strict(BaseModel):
 
     def to_json(self) -> Any:
         """pyinfra's CLI shows host data as JSON (`debug-inventory`): it asks this method of each
-        value it cannot write itself (the typed host data, donorkit/inventory/host_data.py, is made of
-        these models)."""
+        value it cannot write itself (the typed host data, donorkit/inventory/host_data.py, is made
+        of these models)."""
         return self.model_dump(mode="json")

@@ -247,7 +247,8 @@ def trusted_client_files(data: DonorBox) -> dict[str, str]:
 
 
 # Sent by an edge's health checks only (a client's copy is dropped by the edge): the donor's
-# Caddy fails these checks while its drain flag exists (the rolling rollout, donorkit/commands/rollout.py).
+# Caddy fails these checks while its drain flag exists (the rolling rollout,
+# donorkit/commands/rollout.py).
 EDGE_HEALTH_HEADER = "X-Uncloseai-Edge-Health"
 
 

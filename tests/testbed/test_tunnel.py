@@ -324,8 +324,9 @@ def test_it_serves_through_the_edge_and_the_never_joined_gets_nothing(
     assert failed == 0, codes
     assert int(logged) == len(codes)
     # `make status` on the home box (SSH and its Caddy through the edge) and the edge.
-    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.commands.status", "--json", "--limit",
-                             f"{HOME},{EDGE}"], cwd=REPO_ROOT, capture_output=True, text=True,
+    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.commands.status", "--json",
+                             "--limit", f"{HOME},{EDGE}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True,
                             timeout=120, env=dict(os.environ, DONORS_FILE=str(DONORS)))
     doc = json.loads(result.stdout)
     rows = {row["name"]: row for row in doc["hosts"]}

@@ -304,7 +304,8 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
 
 
 def test_only_the_resolver_reads_pki_dir() -> None:
-    """Every other module asks donorkit.inventory.paths.pki_dir: no second way to read the setting."""
+    """Every other module asks donorkit.inventory.paths.pki_dir: no second way to read the
+    setting."""
     import re
 
     readers = []

@@ -41,7 +41,8 @@ TUNNEL = "127.77.0.9"   # tb-home's tunnel address here: loopback, as only "the 
 def loopback_tunnel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stand-in for the tunnel, which cannot exist here (no WireGuard between loopback
     addresses): its pool on loopback, its edge dialled at 127.0.0.1. The inventory refuses both
-    for a real fleet (tunnel_values.PRIVATE_POOLS, tunnel_plan.undialable): allowed for this test only."""
+    for a real fleet (tunnel_values.PRIVATE_POOLS, tunnel_plan.undialable): allowed for this test
+    only."""
     monkeypatch.setattr(tunnel_values, "PRIVATE_POOLS",
                         (*tunnel_values.PRIVATE_POOLS, ipaddress.IPv4Network("127.77.0.0/16")))
     monkeypatch.setattr(tunnel_plan, "undialable", lambda ip: False)

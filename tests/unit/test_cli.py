@@ -1,5 +1,6 @@
-"""`donors` (donorkit/commands/cli.py), run as the operator runs it: the installed console script, and
-through make. Real subprocesses, real files; the boxes are refused local ports (nothing listens)."""
+"""`donors` (donorkit/commands/cli.py), run as the operator runs it: the installed console script,
+and through make. Real subprocesses, real files; the boxes are refused local ports (nothing
+listens)."""
 
 from __future__ import annotations
 

@@ -423,9 +423,9 @@ def test_make_render_renders_an_edge(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
 def test_a_drained_donor_fails_only_the_edges_health_checks(tmp_path: Path, binary: str) -> None:
-    """The rolling rollout's drain flag (donorkit/commands/rollout.py): on the donor, a request with the
-    edges' health header while the flag file exists gets 503 before the proxy; the edge sends
-    that header on its health checks only and drops a client's copy. (Seen at runtime with the
+    """The rolling rollout's drain flag (donorkit/commands/rollout.py): on the donor, a request
+    with the edges' health header while the flag file exists gets 503 before the proxy; the edge
+    sends that header on its health checks only and drops a client's copy. (Seen at runtime with the
     rendered files on 2.6.2 and 2.11.7: bench/edge_failover.py's setup, 10 of 10 requests to the
     other donor while the flag existed, "host is up" ~2 s after it went.)"""
     import json

@@ -80,7 +80,8 @@ def in_the_image(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_blocker_refuses_what_the_gpu_image_lacks() -> None:
-    """The guard can fail: pydantic (donorkit.commands.accept_records's) is refused as on the GPU machine."""
+    """The guard can fail: pydantic (donorkit.commands.accept_records's) is refused as on the GPU
+    machine."""
     result = in_the_image("--import", "donorkit.commands.accept_records")
     assert result.returncode == 1
     assert "in the GPU image (blocked)" in result.stderr  # yaml or pydantic, whichever first

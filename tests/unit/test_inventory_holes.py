@@ -1,7 +1,7 @@
 """Issue 21, holes 1 and 3: inventory values that wrote their own Caddy site, or handed the box
 away, or locked the operator out, were accepted. Each is refused now with one line naming the
-file, the host and the field (donorkit/inventory/schema.py), before anything renders or connects; and the
-templates quote every value, so a value the schema let through still cannot open a site or a
+file, the host and the field (donorkit/inventory/schema.py), before anything renders or connects;
+and the templates quote every value, so a value the schema let through still cannot open a site or a
 directive (tests/unit/test_templates.py, tests/unit/test_inventory_property.py)."""
 
 from __future__ import annotations

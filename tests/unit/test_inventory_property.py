@@ -5,8 +5,8 @@ Hypothesis mutates the shipped donors file, with the testbed's overrides and edg
 set of keys), thousands of times: values replaced by other types and by strings with quotes,
 `$`, `%`, newlines and non-ASCII, keys deleted or added, values nested into lists and mappings,
 and any defaults.yml key (at any depth) set in a donor's or the file's `overrides`. Each case goes
-through donorkit.commands.render_cli.main, the code `make render` runs. The number of cases and the time
-they took are printed (pytest -s). The second test (issue 21) takes every string field and key,
+through donorkit.commands.render_cli.main, the code `make render` runs. The number of cases and the
+time they took are printed (pytest -s). The second test (issue 21) takes every string field and key,
 edges included, and reads every accepted value back through the real `caddy adapt`."""
 
 from __future__ import annotations

@@ -194,13 +194,13 @@ def test_the_signature_tells_the_operators_file(joined, tmp_path) -> None:
 ])
 def test_the_file_is_read_bounded_through_make_joins_entry_point(
         joined, what, text, expected) -> None:
-    """`python -m donorkit.commands.join_file check` (the first step of `make join`): one line, exit 2,
-    quickly (an alias bomb or a deep file is refused before it is built)."""
+    """`python -m donorkit.commands.join_file check` (the first step of `make join`): one line,
+    exit 2, quickly (an alias bomb or a deep file is refused before it is built)."""
     path, fingerprint = joined
     path.write_bytes(text.encode("utf-8", "surrogateescape"))
-    result = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check", str(path),
-                             "--fingerprint", fingerprint], capture_output=True, text=True,
-                            timeout=60, cwd=REPO_ROOT)
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check",
+                             str(path), "--fingerprint", fingerprint], capture_output=True,
+                            text=True, timeout=60, cwd=REPO_ROOT)
     assert result.returncode == 2, result.stdout + result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith(f"join error: {path}: ") and expected in line, line
@@ -218,9 +218,9 @@ def test_make_join_file_signs_and_make_join_checks_it(tmp_path: Path) -> None:
     assert wrote.returncode == 0, wrote.stdout + wrote.stderr
     fingerprint = ca_fingerprint(Pki(tmp_path / "pki").ca_pem())
     assert f"FINGERPRINT={fingerprint}" in wrote.stdout
-    checked = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check", str(out),
-                              "--fingerprint", fingerprint], capture_output=True, text=True,
-                             timeout=60, cwd=REPO_ROOT)
+    checked = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check",
+                              str(out), "--fingerprint", fingerprint], capture_output=True,
+                             text=True, timeout=60, cwd=REPO_ROOT)
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("join: donor tb-home, signed by the operator's CA")
     usage = subprocess.run(make("join", f"JOIN={out}"), capture_output=True, text=True,

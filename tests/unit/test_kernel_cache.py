@@ -1,5 +1,5 @@
-"""The engine's kernels shipped between boxes of a stack (donorkit/box/kernel_cache.py), run for real:
-the operations' own commands executed in a real shell (tar, sha256sum, chown) on two "boxes"
+"""The engine's kernels shipped between boxes of a stack (donorkit/box/kernel_cache.py), run for
+real: the operations' own commands executed in a real shell (tar, sha256sum, chown) on two "boxes"
 made of temporary folders, the copy back and the upload done as pyinfra does them (a file
 copy), the box's fact read with its own command. What the real FlashInfer does with the
 shipped kernels was measured on the GPU machine (docs/gpu.md,

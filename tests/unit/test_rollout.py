@@ -1,5 +1,5 @@
-"""The rollout driver's plan (donorkit/commands/rollout.py): batches of N in inventory order, never two
-boxes of one public hostname together; the resume command names the failed box."""
+"""The rollout driver's plan (donorkit/commands/rollout.py): batches of N in inventory order, never
+two boxes of one public hostname together; the resume command names the failed box."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Issue 14's cases, each its own test: every value of defaults.yml, of a donor entry and of
-`overrides` is checked (donorkit/inventory/schema.py) before anything renders or connects, and a mistake is
-one line naming file, donor and field, exit 2, through `make render` and `pyinfra` alike."""
+`overrides` is checked (donorkit/inventory/schema.py) before anything renders or connects, and a
+mistake is one line naming file, donor and field, exit 2, through `make render` and `pyinfra`
+alike."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The weights step and the readiness gate as operations (donorkit/box/serving.py): facts in, commands
-out, converged = no command; their facts' commands run in a real shell against the real programs
-(files/fetch_weights.py's check, the vLLM stand-in's /v1/models)."""
+"""The weights step and the readiness gate as operations (donorkit/box/serving.py): facts in,
+commands out, converged = no command; their facts' commands run in a real shell against the real
+programs (files/fetch_weights.py's check, the vLLM stand-in's /v1/models)."""
 
 from __future__ import annotations
 

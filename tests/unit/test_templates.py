@@ -302,8 +302,8 @@ def test_render_never_writes_through_an_existing_path(tmp_path: Path, planted: s
 
 
 def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", "nope", str(tmp_path)],
-                            cwd=REPO_ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", "nope",
+                             str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "no donor or edge named 'nope'" in result.stderr
 

@@ -1,5 +1,5 @@
-"""Home donors behind NAT (donorkit/inventory/tunnel_plan.py), host-free: the data (addresses from the pool,
-stable and unique, the one-line refusals), what each box gets (WireGuard config without a
+"""Home donors behind NAT (donorkit/inventory/tunnel_plan.py), host-free: the data (addresses from
+the pool, stable and unique, the one-line refusals), what each box gets (WireGuard config without a
 private key, the nftables table through the real `nft -c`, Caddy bound to the tunnel and
 loopback, the edge's upstream at the tunnel address), SSH through the edge, and
 the tunnel's operations (facts in, commands out)."""

@@ -1,7 +1,7 @@
 """Post-deploy verification of donor boxes (pytest-testinfra), driven by the deploy's inventory.
 
-Hosts come from the same data the deploy uses (donorkit.inventory.fleet.load_fleet), so every check compares
-the box with what the inventory says it should be:
+Hosts come from the same data the deploy uses (donorkit.inventory.fleet.load_fleet), so every check
+compares the box with what the inventory says it should be:
 
     pytest tests/verify                          # every donor: inventory/donors.yml or $DONORS_FILE
     pytest tests/verify --donors other.yml       # another donors file

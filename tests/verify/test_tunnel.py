@@ -1,8 +1,8 @@
-"""A tunnel's boxes (donorkit/inventory/tunnel_plan.py): on a home donor (`reach: tunnel`) and on its hub edges,
-wg-quick@<interface> is up with the box's tunnel address, every joined peer's last handshake is
-recent (`tunnel.handshake_max_age`), and a home donor's Caddy listens on its tunnel address and
-loopback only, never on its home network's interfaces. Only the boxes of a tunnel get these
-cases (a fleet without one has none: nothing skipped per box)."""
+"""A tunnel's boxes (donorkit/inventory/tunnel_plan.py): on a home donor (`reach: tunnel`) and on
+its hub edges, wg-quick@<interface> is up with the box's tunnel address, every joined peer's last
+handshake is recent (`tunnel.handshake_max_age`), and a home donor's Caddy listens on its tunnel
+address and loopback only, never on its home network's interfaces. Only the boxes of a tunnel get
+these cases (a fleet without one has none: nothing skipped per box)."""
 
 from __future__ import annotations
 
