@@ -1,5 +1,6 @@
-"""`donors`: the operator's one command. Each action calls the module that does it (status,
-lock, accept, rollout, render_cli, tunnel_join; pyinfra for deploy and join, pytest for verify).
+"""`donors`: the operator's one command. Each action calls the module of donorkit/commands/ that
+does it (status, pin, accept, rollout, render_cli, join_file; pyinfra for deploy and join, pytest
+for verify).
 
 The operator's data (donors.yml, pki/, results/, the caches, join files) lives in a fleet
 directory outside the checkout, `--fleet DIR` or $DONORS_FLEET (`donors init DIR` makes one);

@@ -454,10 +454,10 @@ def _end_with_parent(signum: int) -> Callable[[], None]:
 class SshForward:
     """`address:port` as the edge reaches it (a home donor's Caddy at its tunnel address), on
     127.0.0.1:`local_port` here while the `with` lasts: one OpenSSH local forward through the
-    edge (donorkit.tunnel.forward_command: the edge's own SSH data, its host key checked, no
-    prompt), its words as argv, never through a shell. Entering waits until the forward listens,
-    else raises ForwardError; leaving stops ssh. Each connection to the local port is a channel
-    of the one SSH connection: no handshake of its own.
+    edge (donorkit.inventory.ssh_commands.forward_command: the edge's own SSH data, its host key
+    checked, no prompt), its words as argv, never through a shell. Entering waits until the forward
+    listens, else raises ForwardError; leaving stops ssh. Each connection to the local port is a
+    channel of the one SSH connection: no handshake of its own.
 
     The local port is the kernel's pick a moment before ssh binds it: if another process took it
     meanwhile, ssh says so and exits (ExitOnForwardFailure) and another port is tried, up to

@@ -9,8 +9,9 @@ donors file's overrides, validated there); the rest is derived once, in donorkit
 the card profile with its name, the served models with their units, the CUDA paths, the venv's
 install. An edge carries the few settings its Caddy needs and one site per public hostname. A home
 donor behind NAT (`reach: tunnel`) and the edges that are its hubs also carry their tunnel
-(`DonorTunnel`, `EdgeTunnel`: donorkit.tunnel.plan makes them) and, on the donor, how this
-machine reaches it through an edge (`ssh_proxy_command`, `caddy_proxy_command`, `ssh_jump_data`).
+(`DonorTunnel`, `EdgeTunnel`: donorkit.inventory.tunnel_plan.plan makes them) and, on the donor,
+how this machine reaches it through an edge (`ssh_proxy_command`, `caddy_proxy_command`,
+`ssh_jump_data`).
 
 The loader makes these from data it has validated (defaults.yml and the donors file, as
 `schema.Defaults`, `Donor`, `Edge`) with `model_construct`: not validated a second time, and
@@ -115,8 +116,8 @@ class TunnelPeer(Strict):
 
 
 class DonorTunnel(Strict):
-    """A home donor's tunnel (donorkit.tunnel.plan): what its WireGuard config, firewall and
-    watch are made of, and what its join file carries."""
+    """A home donor's tunnel (donorkit.inventory.tunnel_plan.plan): what its WireGuard config,
+    firewall and watch are made of, and what its join file carries."""
 
     model_config = DERIVED
     role: Literal["donor"] = "donor"
@@ -134,8 +135,8 @@ class DonorTunnel(Strict):
 
 
 class EdgeTunnel(Strict):
-    """A hub edge's tunnel (donorkit.tunnel.plan): the pool routed to it, one peer per joined
-    home donor among its upstreams."""
+    """A hub edge's tunnel (donorkit.inventory.tunnel_plan.plan): the pool routed to it, one peer
+    per joined home donor among its upstreams."""
 
     model_config = DERIVED
     role: Literal["edge"] = "edge"
@@ -237,7 +238,7 @@ class DonorBox(_Login, Settings):
     ssh_proxy_command: list[str] | None = None    # `ssh -W` to its sshd through the edge
     caddy_proxy_command: list[str] | None = None  # ... and to its Caddy (status, rollout)
     ssh_jump: Name | None = None        # that edge's name
-    ssh_jump_data: SshJump | None = None  # that edge's SSH data (its ssh_config, tunnel.py)
+    ssh_jump_data: SshJump | None = None  # that edge's SSH data (for its ssh_config)
 
     @property
     def name(self) -> str:

@@ -305,7 +305,7 @@ class Defaults(Settings):
     cards: dict[Name, Card]
     models: dict[Name, Model]
     # Home donors behind NAT (donorkit/inventory/tunnel_plan.py): a box's typed data carries it as
-    # `tunnel_settings` (its `tunnel` is what donorkit.tunnel.plan makes of it).
+    # `tunnel_settings` (its `tunnel` is what donorkit.inventory.tunnel_plan.plan makes of it).
     tunnel: TunnelSettings
 
 
