@@ -279,18 +279,18 @@ def test_the_tunnel_watch_pings_each_edge_through_the_tunnel(tmp_path: Path) -> 
 
 def test_a_changed_config_is_synced_never_restarted_and_keeps_the_key() -> None:
     args = {"unit": "wg-quick@wg0.service", "interface": "wg0", "private_key": KEY,
-            "pending_marker": "/opt/uncloseai/state/tunnel_plan.reload-pending"}
+            "pending_marker": "/opt/uncloseai/state/tunnel.reload-pending"}
     running = {"UnitFileState": "enabled", "ActiveState": "active"}
     commands, noops = plan(tunnel_running, args, {"unit_state": running})
     assert commands == [] and noops
     [sync], _ = plan(tunnel_running, args, {"unit_state": {**running, "Present": "yes"}})
     assert "restart" not in sync and "wg syncconf wg0" in sync
     assert "getline k < keyfile" in sync and "-v keyfile=/etc/wireguard/wg0.key" in sync
-    assert sync.endswith(" && rm -f /opt/uncloseai/state/tunnel_plan.reload-pending")
+    assert sync.endswith(" && rm -f /opt/uncloseai/state/tunnel.reload-pending")
     commands, _ = plan(tunnel_running, args, {"unit_state": {}})
     assert commands == ["systemctl enable -q wg-quick@wg0.service",
                         "systemctl restart wg-quick@wg0.service && rm -f "
-                        "/opt/uncloseai/state/tunnel_plan.reload-pending"]
+                        "/opt/uncloseai/state/tunnel.reload-pending"]
 
 
 @pytest.mark.skipif(not shutil.which("awk"), reason="awk")
