@@ -1,4 +1,4 @@
-# The front door: thin aliases for `donors ...` (donorkit/cli.py; `make help`, `donors --help`).
+# The front door: thin aliases for `donors ...` (donorkit/commands/cli.py; `make help`, `donors --help`).
 # Every target sets up what it needs: the project venv (.venv), this checkout installed editable
 # with the operator's dependencies (pyproject.toml), plus the `test` extra for test and testbed.
 # FLEET=dir everywhere: the operator's fleet directory (donors --fleet; or $DONORS_FLEET);

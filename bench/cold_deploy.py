@@ -49,8 +49,8 @@ from pathlib import Path
 import yaml
 
 from bench.noop_rerun import donors_file
-from donorkit.fleet import DEFAULTS_FILE, read_yaml
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.fleet import DEFAULTS_FILE, read_yaml
+from donorkit.inventory.paths import REPO_ROOT
 
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"

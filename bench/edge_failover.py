@@ -10,10 +10,11 @@ requests at most, --seconds at most) runs across, for each case:
   box:   donor B's Caddy killed, then started again (connections to B refused meanwhile).
 Printed per case: requests, answered by A / by B, failed (with their times after the stop), how
 long until B got no more requests, how long after the start until B got one again.
-A third case, rollout: the rolling rollout's own drain and wait (donorkit.rollout.RolloutHosts'
-take_out, wait_in_service, wait_back; its SSH commands run here instead, the edge's log read
-from its output file instead of its journal) around a model restart of A, then of B, under
-the same loop: requests, failed, and how long each box took to leave and to rejoin the pool.
+A third case, rollout: the rolling rollout's own drain and wait
+(donorkit.commands.rollout.RolloutHosts' take_out, wait_in_service, wait_back; its SSH commands run
+here instead, the edge's log read from its output file instead of its journal) around a model
+restart of A, then of B, under the same loop: requests, failed, and how long each box took to leave
+and to rejoin the pool.
 
     python -m bench.edge_failover [--edge-caddy /usr/bin/caddy] [--donor-caddy /usr/bin/caddy]
 """
@@ -33,11 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-from donorkit import render
-from donorkit.fleet import load_inventory
-from donorkit.host_data import Upstream
-from donorkit.paths import REPO_ROOT
-from donorkit.transport import https_get
+from donorkit.commands.transport import https_get
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.host_data import Upstream
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render import templates as render
 
 HOSTNAME = "hermes.ai.unturf.com"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"
@@ -168,7 +169,7 @@ class Bench:
 
 
 class LocalRemote:
-    """donorkit.transport.SshRunner's commands, run here (the bench's hosts are local)."""
+    """donorkit.commands.transport.SshRunner's commands, run here (the bench's hosts are local)."""
 
     def run(self, command: str) -> tuple[int, str]:
         done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
@@ -180,7 +181,7 @@ class LocalRemote:
 
 
 def rollout_case(bench: Bench, count: int, seconds: float) -> None:
-    from donorkit import rollout, rollout_plan
+    from donorkit.commands import rollout, rollout_plan
 
     tmp = bench.tmp
     donors, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")

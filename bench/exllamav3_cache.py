@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 # What any compile of the extension runs. Not nvcc itself: the stack fact runs `nvcc --version`
 # on every deploy, and every real nvcc compile runs cicc/ptxas and the host compiler's cc1plus.

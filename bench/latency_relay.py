@@ -13,7 +13,7 @@ import time
 class Relay:
     """`with Relay({"name": (host, port)}, delay_s=0.025) as r:` then connect to
     (r.addresses[name], r.ports[name]): each target has its own loopback address, so an inventory
-    of relayed hosts names one box per address (donorkit.values.box_identity)."""
+    of relayed hosts names one box per address (donorkit.inventory.values.box_identity)."""
 
     def __init__(self, targets: dict[str, tuple[str, int]], delay_s: float) -> None:
         self.targets = targets

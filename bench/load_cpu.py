@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 BIN = Path(sys.executable).parent
 

@@ -53,7 +53,7 @@ import yaml
 
 from bench.latency_relay import Relay
 from donorkit import __version__
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 from tests.testbed import hosts as bed
 
 BIN = Path(sys.executable).parent

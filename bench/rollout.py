@@ -6,11 +6,11 @@
 Brings up N testbed hosts of the rtx4090 stack, all serving ONE public hostname, converges them
 with the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
 donors file; the stand-in vLLM takes --load-delay seconds to list its model after a start), then
-for each size in --sizes: `python -m donorkit.rollout` over the first `size` boxes, one at a time,
-with a change that restarts vLLM on every box (the load delay moves by 0.5 s), while a bounded
-request loop asks each box's GPU-side Caddy for /v1/models. Prints, per rollout: the whole time,
-each box's out-of-service window (its journal: unit stop to the model listed), the requests sent
-and failed per box, and the rounds in which no box answered (what a client failing over between
+for each size in --sizes: `python -m donorkit.commands.rollout` over the first `size` boxes, one at
+a time, with a change that restarts vLLM on every box (the load delay moves by 0.5 s), while a
+bounded request loop asks each box's GPU-side Caddy for /v1/models. Prints, per rollout: the whole
+time, each box's out-of-service window (its journal: unit stop to the model listed), the requests
+sent and failed per box, and the rounds in which no box answered (what a client failing over between
 the boxes, as an edge does, would have seen fail).
 """
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from donorkit.paths import REPO_ROOT, pki_dir
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.rollout_plan import Box, load_boxes
+from donorkit.commands.rollout_plan import Box, load_boxes
+from donorkit.inventory.paths import REPO_ROOT, pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 from tests.testbed import hosts as bed
 from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
 
@@ -87,7 +87,7 @@ def main() -> int:
             # Donors answer only the current edges' and the operator's certificates.
             pair = tuple(str(p) for p in Pki(pki_dir(boxes[0].data)).client_pair(OPERATOR_CLIENT))
             with RequestLoop(boxes, HOSTNAME, boxes[0].routes[HOSTNAME], client=pair) as loop:
-                rc, out, took = run([str(BIN / "python"), "-m", "donorkit.rollout",
+                rc, out, took = run([str(BIN / "python"), "-m", "donorkit.commands.rollout",
                                      "--inventory", "inventory/gpus.py"], donors, 3600)
                 time.sleep(1)
             if rc != 0:

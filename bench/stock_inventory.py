@@ -4,7 +4,7 @@ command (the snapshot off), so `pyinfra bench/stock_inventory.py deploy.py` runs
 operations the way stock pyinfra would read their facts."""
 
 
-from donorkit.inventory import fleet_or_exit, pyinfra_groups
+from donorkit.box.inventory_groups import fleet_or_exit, pyinfra_groups
 from pyinfra_declared import snapshot
 
 snapshot.disable()

@@ -10,7 +10,7 @@
 #
 # Runs as root (the deploy's step): the operator's pinned ref, cloned into root's $SRC, built with
 # the root-owned venv's pip; nothing here is the service user's or came from another box. The
-# wheel leaves this box only if it is a cache builder (donorkit/wheel_cache.py).
+# wheel leaves this box only if it is a cache builder (donorkit/box/wheel_cache.py).
 #
 # Inputs (environment): GIT_URL REF SRC VENV CUDA_HOME ARCH GIB_PER_JOB OUT_DIR WHEEL PATCHES
 # (PATCHES: space-separated patch files applied with `git apply`, in order; may be empty).

@@ -1,7 +1,7 @@
 """The GPU machine set up as a donor box would be, for gpu/engine_run.py: the units' venv (the
 image's torch plus the carried wheels), CUDA 13.3 from NVIDIA's wheels, the service user and its
 Hugging Face cache, and the engine's JIT caches (emptied, kept, shipped as the deploy ships them
-to another box of the stack: donorkit/kernel_cache.py)."""
+to another box of the stack: donorkit/box/kernel_cache.py)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from donorkit.paths import REPO_ROOT as REPO
+from donorkit.inventory.paths import REPO_ROOT as REPO
 from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS
 
 WORK = REPO / ".gpu-engine"
@@ -176,7 +176,7 @@ def make_checkpoints() -> None:
 def render_units() -> None:
     shutil.rmtree(WORK / "pki", ignore_errors=True)
     for donor in ("h200-qwen", "h200-hermes"):
-        run(sys.executable, "-m", "donorkit.render_cli", donor, STAGE / "render" / donor,
+        run(sys.executable, "-m", "donorkit.commands.render_cli", donor, STAGE / "render" / donor,
             cwd=REPO, env={**os.environ, "DONORS_FILE": str(REPO / "gpu/engine.yml")},
             stdout=subprocess.DEVNULL)
 

@@ -36,7 +36,7 @@ Steps 1-3 and the shipped-kernels box are gpu/engine_box.py.
    looks when no flashinfer-jit-cache is installed; a kernel found there is loaded without
    ninja); last, the same with vLLM's torch.compile, Triton's and CUDA's caches (keyed by content
    hashes) also copied into the service user's home: what the deploy ships
-   (donorkit/kernel_cache.py). The hermes runs and the negative control ran in the second run
+   (donorkit/box/kernel_cache.py). The hermes runs and the negative control ran in the second run
    (gpu/results/h200-engine-2026-12-01/). Why not the cold run's FlashInfer cache copied as it
    is: ninja decides by file times, and its deps log records each object's time, so objects older
    than the new install's sources are rebuilt, and objects given the copy's time are rebuilt too
@@ -140,7 +140,7 @@ def without(argv: list[str], flag: str, value: str) -> list[str]:
 # ------------------------------------------------------------------ one engine -----------------
 
 def accept(venv: Path, name: str, port: int) -> dict:
-    proc = subprocess.run([venv / "bin/python", "-m", "donorkit.accept", "--donors",
+    proc = subprocess.run([venv / "bin/python", "-m", "donorkit.commands.accept", "--donors",
                            "gpu/engine.yml", "--limit", DONORS[name], "--via",
                            f"http://127.0.0.1:{port}", "--results", str(RESULTS / "accept")],
                           cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -21,8 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from donorkit.paths import REPO_ROOT
-from donorkit.wheel_cache import file_sha256
+from donorkit.box.wheel_cache import file_sha256
+from donorkit.inventory.paths import REPO_ROOT
 
 VERSION = "1.5.1"
 WHEEL = f"exllamav3-{VERSION}-py3-none-any.whl"

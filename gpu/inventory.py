@@ -6,8 +6,8 @@ Usage (on that box, from the repo root): pyinfra -y gpu/inventory.py gpu/deploy.
 
 import os
 
-from donorkit.inventory import fleet_or_exit
-from donorkit.paths import REPO_ROOT
+from donorkit.box.inventory_groups import fleet_or_exit
+from donorkit.inventory.paths import REPO_ROOT
 
 _fleet = fleet_or_exit(os.environ.get("DONORS_FILE") or REPO_ROOT / "gpu/donors.yml",
                       require_local_sources=False)

@@ -9,7 +9,7 @@ Usage: donors deploy [--limit HOST] (pyinfra inventory/gpus.py deploy.py [--limi
 
 import logging
 
-from donorkit.inventory import inventory_or_exit, pyinfra_groups
+from donorkit.box.inventory_groups import inventory_or_exit, pyinfra_groups
 
 # A box whose SSH port says nothing: pyinfra's one line (`SSH error (...)`), not paramiko's
 # 20-line traceback of its transport thread.

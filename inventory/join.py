@@ -1,8 +1,8 @@
 """A home donor joining the tunnel, on the box itself (pyinfra's @local connector): the join file
 $JOIN_FILE (written and signed by the operator's `make join-file`), checked whole and against
-the operator's CA fingerprint $JOIN_FINGERPRINT before anything runs (donorkit/tunnel_join.py);
-deploy.py applies the tunnel only (tasks/tunnel.py). Run by `make join JOIN=<file>
-FINGERPRINT=<fp>` as root on the box.
+the operator's CA fingerprint $JOIN_FINGERPRINT before anything runs
+(donorkit/commands/join_file.py); deploy.py applies the tunnel only (tasks/tunnel.py). Run by `make
+join JOIN=<file> FINGERPRINT=<fp>` as root on the box.
 
 Usage: JOIN_FILE=join-<donor>.yml JOIN_FINGERPRINT=<fp> pyinfra -y inventory/join.py deploy.py
 """
@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from donorkit import schema
-from donorkit.fleet import DEFAULTS_FILE, FleetError, read_yaml
-from donorkit.inventory_files import validate
-from donorkit.tunnel_join import donor_tunnel, read_join_file
+from donorkit.commands.join_file import donor_tunnel, read_join_file
+from donorkit.inventory import schema
+from donorkit.inventory.fleet import DEFAULTS_FILE, FleetError, read_yaml
+from donorkit.inventory.inventory_files import validate
 
 try:
     _join = read_join_file(Path(os.environ.get("JOIN_FILE") or "JOIN_FILE is not set"),

@@ -7,8 +7,8 @@ Usage: pyinfra inventory/testbed.py deploy.py
 
 import logging
 
-from donorkit.inventory import inventory_or_exit, pyinfra_groups
-from donorkit.paths import REPO_ROOT
+from donorkit.box.inventory_groups import inventory_or_exit, pyinfra_groups
+from donorkit.inventory.paths import REPO_ROOT
 
 # A box whose SSH port says nothing: pyinfra's one line (`SSH error (...)`), not paramiko's
 # 20-line traceback of its transport thread.

@@ -4,9 +4,9 @@ loopback port. A new config is validated (as the caddy user) before it replaces 
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.caddy_config import caddy_config
-from donorkit.host_data import this_box
-from donorkit.render import drain_flag, render_caddy
+from donorkit.inventory.host_data import this_box
+from donorkit.render.caddy_config import caddy_config
+from donorkit.render.templates import drain_flag, render_caddy
 from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import absent_path
 
@@ -25,7 +25,7 @@ def apply() -> None:
         access_log=host.data.caddy_access_log,
     )
     # Last: every unit of the box passed its readiness gate, so it may take traffic again. The
-    # rolling rollout (donorkit/rollout.py) creates this flag to take the box out of the edges'
-    # pools before its run; any run that gets here puts it back (an interrupted rollout
+    # rolling rollout (donorkit/commands/rollout.py) creates this flag to take the box out of the
+    # edges' pools before its run; any run that gets here puts it back (an interrupted rollout
     # converges).
     absent_path(name="Put the box back in the edges' pools", path=drain_flag(box))

@@ -4,8 +4,8 @@ side by side under /usr/local/cuda-X.Y. Nothing here touches the floating /usr/l
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_facts import host_profile
-from donorkit.box_operations import toolkit_compiler
+from donorkit.box.box_facts import host_profile
+from donorkit.box.box_operations import toolkit_compiler
 from pyinfra_declared.apt import apt_install, deb_from_url
 from pyinfra_declared.files import config_file
 

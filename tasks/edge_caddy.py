@@ -7,10 +7,10 @@ before it replaces the live one."""
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_operations import caddy_has_module
-from donorkit.caddy_config import caddy_config
-from donorkit.host_data import this_box
-from donorkit.render import render_edge
+from donorkit.box.box_operations import caddy_has_module
+from donorkit.inventory.host_data import this_box
+from donorkit.render.caddy_config import caddy_config
+from donorkit.render.templates import render_edge
 from pyinfra_declared.apt import apt_install
 
 

@@ -21,16 +21,16 @@ from pathlib import Path
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_facts import host_profile
-from donorkit.box_operations import (
+from donorkit.box.box_facts import host_profile
+from donorkit.box.box_operations import (
     Exllamav3Build,
     build_wheel,
     copy_wheel_back,
     install_wheel,
     upload_cached_wheel,
 )
-from donorkit.host_data import this_box
-from donorkit.paths import repo_path
+from donorkit.inventory.host_data import this_box
+from donorkit.inventory.paths import repo_path
 from pyinfra_declared.files import config_file, directories
 
 

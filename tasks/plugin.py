@@ -6,9 +6,9 @@ from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import server
 
-from donorkit.fleet import plugin_local_path
-from donorkit.render import PLUGIN_TREE_STAMP
-from donorkit.schema import PluginPath
+from donorkit.inventory.fleet import plugin_local_path
+from donorkit.inventory.schema import PluginPath
+from donorkit.render.templates import PLUGIN_TREE_STAMP
 from pyinfra_declared.python_env import editable_install, editable_install_command
 from pyinfra_declared.sources import git_checkout, source_tree
 

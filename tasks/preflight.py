@@ -6,8 +6,8 @@ installed."""
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_facts import host_profile
-from donorkit.box_operations import host_matches_inventory
+from donorkit.box.box_facts import host_profile
+from donorkit.box.box_operations import host_matches_inventory
 
 
 @deploy("Preflight")

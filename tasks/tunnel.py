@@ -1,6 +1,6 @@
-"""WireGuard tunnel (donorkit/tunnel.py): a home donor behind NAT dials the edges serving its
-hostnames, each edge the hub of its donors. On every box of a tunnel: first a check that the
-interface's config and name are not someone else's (never replaced), then the tools,
+"""WireGuard tunnel (donorkit/inventory/tunnel_plan.py): a home donor behind NAT dials the edges
+serving its hostnames, each edge the hub of its donors. On every box of a tunnel: first a check
+that the interface's config and name are not someone else's (never replaced), then the tools,
 wireguard-go where the kernel has no module, the box's own key pair (the private key never
 leaves it), its public key checked against the inventory's, the config (no private key in it)
 and the tunnel's firewall table, then wg-quick@<interface> running them. A changed config is
@@ -10,9 +10,7 @@ them too."""
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit import tunnel as tunnels
-from donorkit.render import UNIT_DIR, VERIFY_UNIT
-from donorkit.tunnel_operations import (
+from donorkit.box.tunnel_operations import (
     firewall_loaded,
     tunnel_is_ours,
     tunnel_key_is,
@@ -20,6 +18,8 @@ from donorkit.tunnel_operations import (
     userspace_wireguard,
     wireguard_key,
 )
+from donorkit.render import tunnel_files
+from donorkit.render.templates import UNIT_DIR, VERIFY_UNIT
 from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import ConfigFile, config_files
 from pyinfra_declared.services import service_running_its_files
@@ -27,10 +27,10 @@ from pyinfra_declared.services import service_running_its_files
 
 @deploy("WireGuard tunnel")
 def apply() -> None:
-    # A DonorTunnel or EdgeTunnel (donorkit/host_data.py): the inventory's, or the join file's
-    # (inventory/join.py).
+    # A DonorTunnel or EdgeTunnel (donorkit/inventory/host_data.py): the inventory's, or the join
+    # file's (inventory/join.py).
     tunnel = host.data.tunnel
-    files = tunnels.paths(tunnel)
+    files = tunnel_files.paths(tunnel)
     state = f"{host.data.install_root}/state"
     conf_marker, nft_marker = f"{state}/tunnel.reload-pending", f"{state}/tunnel.nft-pending"
     # Only ever our own tunnel: a config file or an interface of that name that is not ours (the
@@ -50,22 +50,23 @@ def apply() -> None:
                       entry=tunnel.entry)
     config_files(
         name="Install the tunnel's firewall and config",
-        files=[ConfigFile(content=tunnels.render_nft(tunnel), dest=files["nft"], mode="600",
+        files=[ConfigFile(content=tunnel_files.render_nft(tunnel), dest=files["nft"], mode="600",
                           validate="nft -c -f {path}", pending_marker=nft_marker),
-               ConfigFile(content=tunnels.render_conf(tunnel), dest=files["conf"], mode="600",
+               ConfigFile(content=tunnel_files.render_conf(tunnel), dest=files["conf"], mode="600",
                           pending_marker=conf_marker)],
     )
-    tunnel_running(name=f"Run the tunnel ({tunnels.unit(tunnel)})", unit=tunnels.unit(tunnel),
-                   interface=tunnel.interface, private_key=files["key"],
+    tunnel_running(name=f"Run the tunnel ({tunnel_files.unit(tunnel)})",
+                   unit=tunnel_files.unit(tunnel), interface=tunnel.interface,
+                   private_key=files["key"],
                    pending_marker=conf_marker)
     firewall_loaded(name="Load the tunnel's firewall", nft_file=files["nft"],
-                    table=tunnels.NFT_TABLE, pending_marker=nft_marker)
+                    table=tunnel_files.NFT_TABLE, pending_marker=nft_marker)
     if tunnel.role == "donor":
         # The donor is the only side that can dial: it pings its edges through the tunnel, so
         # an edge that lost the session gets a new handshake within seconds.
-        watch = f"{UNIT_DIR}/{tunnels.WATCH_UNIT}"
+        watch = f"{UNIT_DIR}/{tunnel_files.WATCH_UNIT}"
         config_files(name="Install the tunnel watch",
-                     files=[ConfigFile(content=tunnels.render_watch_unit(tunnel), dest=watch,
+                     files=[ConfigFile(content=tunnel_files.render_watch_unit(tunnel), dest=watch,
                                        validate=VERIFY_UNIT)])
-        service_running_its_files(name="Run the tunnel watch", unit=tunnels.WATCH_UNIT,
+        service_running_its_files(name="Run the tunnel watch", unit=tunnel_files.WATCH_UNIT,
                                   depends_on=[watch], record=f"{state}/tunnel-watch.started")

@@ -5,7 +5,7 @@ the new model loads; its weights are already here, tasks/weights.py). After a (r
 whenever its model is not listed, the readiness gate waits until /v1/models on the unit's
 loopback port lists the checkpoint, or fails the box with the unit's journal.
 
-On a CUDA box each unit's engine kernels (donorkit/kernel_cache.py) are shipped from the
+On a CUDA box each unit's engine kernels (donorkit/box/kernel_cache.py) are shipped from the
 operator's cache before the unit starts, when an earlier box of the same stack left them there,
 so this box's first start is a warm one; and once the unit is ready, what its first start built
 is copied back to the cache when the cache lacks that stack and this box is a cache builder
@@ -14,19 +14,19 @@ is copied back to the cache when the cache lacks that stack and this box is a ca
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_facts import host_profile
-from donorkit.host_data import this_box
-from donorkit.kernel_cache import UnitKernels, keep_kernels, ship_kernels
-from donorkit.paths import repo_path
-from donorkit.prebuild import prebuild_command, prebuild_kernels
-from donorkit.render import (
+from donorkit.box.box_facts import host_profile
+from donorkit.box.kernel_cache import UnitKernels, keep_kernels, ship_kernels
+from donorkit.box.prebuild import prebuild_command, prebuild_kernels
+from donorkit.box.serving import ready_gate
+from donorkit.inventory.host_data import this_box
+from donorkit.inventory.paths import repo_path
+from donorkit.render.templates import (
     PLUGIN_TREE_STAMP,
     UNIT_DIR,
     VERIFY_UNIT,
     render_unit,
     unit_environment,
 )
-from donorkit.serving import ready_gate
 from pyinfra_declared.files import ConfigFile, config_files
 from pyinfra_declared.services import retired_unit, service_running_its_files
 
@@ -80,7 +80,8 @@ def apply() -> None:
             ship_kernels(name=f"Kernels for {model.unit}: from an earlier box of its stack",
                          kernels=kernels)
         if kernels and prebuild_on:
-            # What the stack still lacks, built outside the unit's cgroup (donorkit/prebuild.py).
+            # What the stack still lacks, built outside the unit's cgroup
+            # (donorkit/box/prebuild.py).
             prebuild_kernels(
                 name=f"Kernels for {model.unit}: FlashInfer's, built before it starts",
                 kernels=kernels, command=prebuild_command(

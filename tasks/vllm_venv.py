@@ -1,7 +1,7 @@
 """The vLLM venv: pinned vllm and torch from the card profile's wheel variant, installed with uv
 (pinned, put in the venv by its pip), root-owned, and a check that torch's CUDA major matches
 the toolkit's nvcc (PyTorch refuses to build otherwise). A change of the set first removes the
-engine kernels shipped into FlashInfer's folder for the old set (donorkit/kernel_cache.py).
+engine kernels shipped into FlashInfer's folder for the old set (donorkit/box/kernel_cache.py).
 
 pip and uv run as root: the venv is root's and holds only what root installed (the pinned set
 from the card profile's index, the checked exllamav3 wheel, the plugin from root's folder), so
@@ -10,9 +10,9 @@ nothing they import is the service user's or another box's."""
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.box_operations import torch_matches_nvcc
-from donorkit.kernel_cache import FLASHINFER_AOT
-from donorkit.render import VENV_BUSY_MARKER
+from donorkit.box.box_operations import torch_matches_nvcc
+from donorkit.box.kernel_cache import FLASHINFER_AOT
+from donorkit.render.templates import VENV_BUSY_MARKER
 from pyinfra_declared.python_env import python_venv, venv_packages
 
 

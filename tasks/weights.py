@@ -11,14 +11,14 @@ from pathlib import PurePosixPath
 from pyinfra import host
 from pyinfra.api import deploy
 
-from donorkit.paths import operator_path, repo_path
-from donorkit.render import hub_cache
-from donorkit.serving import (
+from donorkit.box.serving import (
     hf_token_path,
     home_token_path,
     manifest_dir,
     model_weights,
 )
+from donorkit.inventory.paths import operator_path, repo_path
+from donorkit.render.templates import hub_cache
 from pyinfra_declared.files import absent_path, config_file, directories
 
 
@@ -32,12 +32,12 @@ def apply() -> None:
 
     # The token is root's (0600 in a 0700 folder of root's): the vLLM units run as the service user
     # and never need it; the weights step's root shell opens it and hands it to the fetch on stdin
-    # (donorkit/serving.py). Earlier deploys kept it in the service user's home: removed there.
+    # (donorkit/box/serving.py). Earlier deploys kept it in the service user's home: removed there.
     absent_path(name="No Hugging Face token in the service user's home",
                 path=home_token_path(home))
     token_file = token_error = None
     # A volunteer's box (owner: volunteer) has no hf_token_file in its host data
-    # (donorkit/fleet.py): a token an earlier deploy left there is removed too.
+    # (donorkit/inventory/fleet.py): a token an earlier deploy left there is removed too.
     if not host.data.hf_token_file:
         absent_path(name="No Hugging Face token (none in the inventory, or a volunteer's box)",
                     path=hf_token_path(root))

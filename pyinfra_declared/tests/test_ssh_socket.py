@@ -15,7 +15,7 @@ import pytest
 from pyinfra.api import Config, Inventory, State
 from pyinfra.connectors.ssh import SSHConnector
 
-from donorkit.inventory import pyinfra_groups
+from donorkit.box.inventory_groups import pyinfra_groups
 
 
 class AcceptAnyKey(paramiko.ServerInterface):
@@ -88,7 +88,8 @@ def option(sock: socket.socket, name: int) -> int:
 
 
 def our_host_data() -> dict:
-    """What donorkit/inventory.py gives pyinfra for a donor, less the fleet's own fields."""
+    """What donorkit/box/inventory_groups.py gives pyinfra for a donor, less the fleet's own
+    fields."""
     box = SimpleNamespace(card=SimpleNamespace(name="rtx4090"), pyinfra_data=dict,
                           ssh_proxy_command=None)  # a box reached directly
     [(_, data)] = pyinfra_groups({"box": box})["donors"]

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 if TYPE_CHECKING:  # pydantic: the GPU image's python has none, and gpu/ imports this module
-    from donorkit.acceptance import Record
+    from donorkit.commands.accept_records import Record
 
 # Everything the testbed makes lives here (git-ignored), so a `rm -rf .testbed` is a full reset.
 WORK = REPO_ROOT / ".testbed"
@@ -132,7 +132,7 @@ def make_accept(limit: str, env: dict[str, str] | None = None,
                 timeout: float = 1200) -> tuple[Record, str]:
     """`make accept LIMIT=limit` as an operator runs it, with `env` added: its record (named by
     its `record: PATH` line) and its output, printed; a non-zero exit fails with the output."""
-    from donorkit.acceptance import Record
+    from donorkit.commands.accept_records import Record
 
     result = subprocess.run(["make", "-s", "accept", f"LIMIT={limit}"], cwd=REPO_ROOT,
                             env={**os.environ, **(env or {})}, capture_output=True, text=True,

@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
 
 from .common import WORK, find_pids, log, remove_tree, run
 from .network import netns_pids

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
 
 from . import containers, cuda_standin, network, rootfs, www
 from .common import REPO_ROOT, WORK, apt_install_missing, log, phase, run
@@ -83,7 +83,7 @@ def on_console(host: Host, command: str, check: bool = True,
 
 def standin_gpu(name: str, drivers: dict[str, str] | None = None) -> dict[str, str]:
     """The GPU a host's stand-in nvidia-smi reports (`drivers`: a host's other driver)."""
-    from donorkit.fleet import read_yaml
+    from donorkit.inventory.fleet import read_yaml
 
     defaults = read_yaml(REPO_ROOT / "inventory/defaults.yml")
     donor = (read_yaml(DONORS).get("donors") or {}).get(name) or {}

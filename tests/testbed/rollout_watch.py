@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from donorkit.rollout_hosts import gpu_side_check
-from donorkit.rollout_plan import Box
-from donorkit.transport import https_get
+from donorkit.commands.rollout_hosts import gpu_side_check
+from donorkit.commands.rollout_plan import Box
+from donorkit.commands.transport import https_get
 
 from .hosts import Host, ssh
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 
 def test_edge_failover_runs() -> None:

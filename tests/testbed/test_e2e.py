@@ -34,10 +34,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import __version__, render
-from donorkit.fleet import load_fleet
-from donorkit.paths import REPO_ROOT
-from donorkit.transport import https_get, wait_until
+from donorkit import __version__
+from donorkit.commands.transport import https_get, wait_until
+from donorkit.inventory.fleet import load_fleet
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render import templates as render
 from pyinfra_declared.batched_facts import PathStates, UnitState
 from tests.testbed import hosts as bed
 from tests.testbed.hosts import Host, ssh
@@ -309,7 +310,7 @@ def test_dry_diff_previews_a_data_change_and_touches_nothing(hosts: dict[str, Ho
     rc, output = pyinfra_as_a_user_runs_it("inventory/gpus.py", "deploy.py", "--limit", GOOD,
                                            "--dry", "--diff", env={"DONORS_FILE": str(donors)})
     assert rc == 0, output[-6000:]
-    # A changed unit is another kernel stack (donorkit/kernel_cache.py): the box records it (no
+    # A changed unit is another kernel stack (donorkit/box/kernel_cache.py): the box records it (no
     # box of it has kept kernels yet) and will copy back what its restart builds.
     assert preview_rows(output, GOOD, "change") == [
         "Install the readiness gate and vllm-qwen.service",
@@ -724,7 +725,7 @@ def test_donors_refuse_an_edge_not_in_the_inventory(hosts: dict[str, Host]) -> N
     certificates. A valid certificate from the same client CA for an edge that is not in the
     inventory (as one deleted from it, once the donors are deployed) fails the handshake with
     both deployed donors; tb-edge's and the operator's pass."""
-    from donorkit.pki import OPERATOR_CLIENT, Pki
+    from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 
     Pki(PKI).client_cert("tb-edge-gone")
     for name in (GOOD, SECOND):
@@ -1038,7 +1039,7 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
     the edge's health checks only) and waits for nothing in flight before restarting it, and
     goes on only once the edge's health checker logged it up again. The journals show the two
     boxes never down at once."""
-    from donorkit.rollout_plan import Box
+    from donorkit.commands.rollout_plan import Box
     from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
 
     # First the fix for tb-4090b alone, resumed from where the failed rollout stopped.
@@ -1105,7 +1106,7 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
 def rollout(donors: Path, *extra: str) -> tuple[int, str, float]:
     """`make rollout`'s command over the fleet of `donors` (the production inventory file)."""
     started = time.monotonic()
-    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.rollout", "--inventory",
+    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.commands.rollout", "--inventory",
                              "inventory/gpus.py", *extra], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=1200,
                             env={**os.environ, "DONORS_FILE": str(donors)})

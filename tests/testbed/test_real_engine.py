@@ -11,8 +11,8 @@ lists the checkpoint; then:
 - the verify suite's serving, network and systemd checks pass against it (CUDA-only ones skip);
   its Caddy answers only the client CA's certificates (issue 15) and this host has no edge (one
   more container on 2 shared cores for a path test_e2e.py already proves): the serving checks and
-  `make accept` present the operator's client certificate (donorkit.pki.OPERATOR_CLIENT, from
-  the testbed's client CA), and the verify suite's donor check proves a handshake without one
+  `make accept` present the operator's client certificate (donorkit.inventory.pki.OPERATOR_CLIENT,
+  from the testbed's client CA), and the verify suite's donor check proves a handshake without one
   fails;
 - every socket the engine's processes listen on is loopback (it opens more than one);
 - its startup time (unit start -> /v1/models lists the checkpoint, as the gate measured it) and
@@ -38,10 +38,10 @@ from pathlib import Path
 import pytest
 
 from donorkit import __version__
-from donorkit.fleet import load_fleet
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import OPERATOR_CLIENT
-from donorkit.render import pki_for
+from donorkit.inventory.fleet import load_fleet
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import OPERATOR_CLIENT
+from donorkit.render.templates import pki_for
 from tests.testbed import cpu_engine, www
 from tests.testbed import hosts as bed
 from tests.testbed.common import make_accept

@@ -31,11 +31,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit.fleet import load_inventory
-from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import OPERATOR_CLIENT, ca_fingerprint
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.host_data import DonorBox, EdgeBox
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import OPERATOR_CLIENT, ca_fingerprint
 from tests.testbed import hosts as bed
 from tests.testbed.common import make_accept
 from tests.testbed.hosts import Host, on_console, ssh
@@ -324,8 +324,9 @@ def test_it_serves_through_the_edge_and_the_never_joined_gets_nothing(
     assert failed == 0, codes
     assert int(logged) == len(codes)
     # `make status` on the home box (SSH and its Caddy through the edge) and the edge.
-    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.status", "--json", "--limit",
-                             f"{HOME},{EDGE}"], cwd=REPO_ROOT, capture_output=True, text=True,
+    result = subprocess.run([str(BIN / "python"), "-m", "donorkit.commands.status", "--json",
+                             "--limit", f"{HOME},{EDGE}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True,
                             timeout=120, env=dict(os.environ, DONORS_FILE=str(DONORS)))
     doc = json.loads(result.stdout)
     rows = {row["name"]: row for row in doc["hosts"]}

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
 
 from . import tiny_model
 from .common import REPO_ROOT, STANDINS, WORK, find_pids, log, run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 # The checkout's own private CA (defaults.yml `pki_dir: pki`): the operator's keys. Tests keep
 # their CAs in temporary folders; one that creates or changes anything here fails.

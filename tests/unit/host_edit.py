@@ -1,5 +1,5 @@
-"""Host data changed by a test: a DonorBox or EdgeBox (donorkit/host_data.py) is frozen, so a
-test that puts a value straight into it (the schema bypassed: the render's own defences are
+"""Host data changed by a test: a DonorBox or EdgeBox (donorkit/inventory/host_data.py) is frozen,
+so a test that puts a value straight into it (the schema bypassed: the render's own defences are
 under test) gets a copy with that one value changed, at any depth (models, mappings, lists)."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from donorkit.host_data import DonorBox, EdgeBox, ServedModel
-from donorkit.render import CADDYFILE, render_host, unit_environment
+from donorkit.inventory.host_data import DonorBox, EdgeBox, ServedModel
+from donorkit.render.templates import CADDYFILE, render_host, unit_environment
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 

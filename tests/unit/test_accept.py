@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from donorkit import accept as a
-from donorkit import acceptance as core
-from donorkit import transport
-from donorkit.fleet import load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.schema import RateLimit
+from donorkit.commands import accept as a
+from donorkit.commands import accept_records as core
+from donorkit.commands import transport
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
+from donorkit.inventory.schema import RateLimit
 from tests.unit import version_server
 from tests.unit.host_edit import put
 
@@ -283,9 +283,9 @@ def test_client_presents_the_operator_certificate_to_a_caddy_requiring_one(
 def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21, hole 7: `pki_dir: ~/...` meant the home in the deploy and a folder under the
-    repository in rollout and accept. One resolver (donorkit.paths.pki_dir) for all."""
-    from donorkit.paths import pki_dir
-    from donorkit.render import pki_for
+    repository in rollout and accept. One resolver (donorkit.inventory.paths.pki_dir) for all."""
+    from donorkit.inventory.paths import pki_dir
+    from donorkit.render.templates import pki_for
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     fleet, edges = load_inventory(REPO_ROOT / "tests/testbed/donors.yml")
@@ -304,7 +304,8 @@ def test_pki_dir_in_the_home_is_one_place_for_render_rollout_and_accept(
 
 
 def test_only_the_resolver_reads_pki_dir() -> None:
-    """Every other module asks donorkit.paths.pki_dir: no second way to read the setting."""
+    """Every other module asks donorkit.inventory.paths.pki_dir: no second way to read the
+    setting."""
     import re
 
     readers = []
@@ -313,7 +314,7 @@ def test_only_the_resolver_reads_pki_dir() -> None:
             text = path.read_text()
             if re.search(r"""\[["']pki_dir["']\]|\.pki_dir\b""", text):
                 readers.append(str(path.relative_to(REPO_ROOT)))
-    assert readers == ["donorkit/paths.py"], readers
+    assert readers == ["donorkit/inventory/paths.py"], readers
 
 
 def test_tool_calls_are_measured_only_where_the_model_is_served_with_them(

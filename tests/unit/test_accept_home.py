@@ -20,15 +20,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import accept as a
-from donorkit import acceptance as core
-from donorkit import transport, tunnel
-from donorkit.fleet import load_inventory
-from donorkit.host_data import SshJump
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.transport import ForwardError, SshForward, free_port, wait_until
-from donorkit.tunnel import forward_command
+from donorkit.commands import accept as a
+from donorkit.commands import accept_records as core
+from donorkit.commands import transport
+from donorkit.commands.transport import ForwardError, SshForward, free_port, wait_until
+from donorkit.inventory import tunnel_plan, tunnel_values
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.host_data import SshJump
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
+from donorkit.inventory.ssh_commands import forward_command
 from tests.unit import loopback_sshd, version_server
 
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
@@ -40,10 +41,11 @@ TUNNEL = "127.77.0.9"   # tb-home's tunnel address here: loopback, as only "the 
 def loopback_tunnel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stand-in for the tunnel, which cannot exist here (no WireGuard between loopback
     addresses): its pool on loopback, its edge dialled at 127.0.0.1. The inventory refuses both
-    for a real fleet (tunnel.PRIVATE_POOLS, tunnel.undialable): allowed for this test only."""
-    monkeypatch.setattr(tunnel, "PRIVATE_POOLS",
-                        (*tunnel.PRIVATE_POOLS, ipaddress.IPv4Network("127.77.0.0/16")))
-    monkeypatch.setattr(tunnel, "undialable", lambda ip: False)
+    for a real fleet (tunnel_values.PRIVATE_POOLS, tunnel_plan.undialable): allowed for this test
+    only."""
+    monkeypatch.setattr(tunnel_values, "PRIVATE_POOLS",
+                        (*tunnel_values.PRIVATE_POOLS, ipaddress.IPv4Network("127.77.0.0/16")))
+    monkeypatch.setattr(tunnel_plan, "undialable", lambda ip: False)
 
 
 def donors_file(tmp_path: Path, edits: dict | None = None, edge: dict | None = None) -> Path:
@@ -254,8 +256,8 @@ def test_ssh_ends_when_the_command_that_started_it_is_killed(tmp_path: Path, edg
     ssh gets the parent-death signal."""
     script = (
         "import json, sys, time\n"
-        "from donorkit.host_data import SshJump\n"
-        "from donorkit.transport import SshForward\n"
+        "from donorkit.inventory.host_data import SshJump\n"
+        "from donorkit.commands.transport import SshForward\n"
         "with SshForward(SshJump(**json.loads(sys.argv[1])), sys.argv[2], 443) as forward:\n"
         "    print(forward._process.pid, flush=True)\n"
         "    time.sleep(60)\n")

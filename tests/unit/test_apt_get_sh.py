@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "pyinfra_declared/apt_get.sh"
 HOLD = ("import fcntl, sys, time\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import cold_deploy
-from donorkit.fleet import DEFAULTS_FILE, load_fleet, read_yaml
+from donorkit.inventory.fleet import DEFAULTS_FILE, load_fleet, read_yaml
 
 BIN = Path(sys.executable).parent
 

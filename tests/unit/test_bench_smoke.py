@@ -19,8 +19,8 @@ import pytest
 
 from bench import latency_relay, load_cpu, noop_rerun
 from bench import rollout as rollout_bench
-from donorkit.fleet import load_inventory
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.paths import REPO_ROOT
 
 CLIS = sorted(p.stem for p in (REPO_ROOT / "bench").glob("*.py")
               if "if __name__ == \"__main__\":" in p.read_text())

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from donorkit import accept as a
-from donorkit import acceptance as core
-from donorkit import status, transport
-from donorkit.fleet import load_inventory
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.transport import AnswerTooLarge, SshRunner, https_get, shown
+from donorkit.commands import accept as a
+from donorkit.commands import accept_records as core
+from donorkit.commands import status, transport
+from donorkit.commands.transport import AnswerTooLarge, SshRunner, https_get, shown
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 from tests.unit import loopback_sshd, version_server
 
 HOSTNAME = "h.example.com"
@@ -318,7 +318,7 @@ def test_a_copy_back_past_its_limit_is_refused_and_removed(tmp_path: Path, caplo
     line, the partial copy removed, the host failed (False), no exception."""
     from pyinfra.api import Config, Inventory, State
 
-    from donorkit import wheel_cache
+    from donorkit.box import wheel_cache
 
     inventory = Inventory((["@local"], {}))
     state = State(inventory, Config())

@@ -1,5 +1,6 @@
-"""`donors` (donorkit/cli.py), run as the operator runs it: the installed console script, and
-through make. Real subprocesses, real files; the boxes are refused local ports (nothing listens)."""
+"""`donors` (donorkit/commands/cli.py), run as the operator runs it: the installed console script,
+and through make. Real subprocesses, real files; the boxes are refused local ports (nothing
+listens)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import errors
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory import errors
+from donorkit.inventory.paths import REPO_ROOT
 from tests.unit import test_lock
 from tests.unit.make import make
 
@@ -186,7 +187,7 @@ def test_status_json_is_clean_through_make(tmp_path: Path) -> None:
 
 
 def test_status_table_fits_100_columns(tmp_path: Path) -> None:
-    from donorkit.status_view import render_table
+    from donorkit.commands.status_view import render_table
 
     model = {"unit": "vllm-qwen.service", "state": "active", "active_for_s": 7200,
              "checkpoint": "turboderp/Qwen3.8-27B-exl3", "revision": PIN, "pinned": PIN,

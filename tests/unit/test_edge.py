@@ -20,13 +20,13 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from donorkit.box_facts import CaddyModules
-from donorkit.fleet import DONORS_FILE, FleetError, load_inventory
-from donorkit.host_data import Upstream
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import Pki, PkiError
-from donorkit.render import CADDYFILE, render_edge, render_host, write_tree
-from donorkit.transport import free_port, https_get, wait_until
+from donorkit.box.box_facts import CaddyModules
+from donorkit.commands.transport import free_port, https_get, wait_until
+from donorkit.inventory.fleet import DONORS_FILE, FleetError, load_inventory
+from donorkit.inventory.host_data import Upstream
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import Pki, PkiError
+from donorkit.render.templates import CADDYFILE, render_edge, render_host, write_tree
 from tests.unit.make import make
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -423,14 +423,14 @@ def test_make_render_renders_an_edge(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
 def test_a_drained_donor_fails_only_the_edges_health_checks(tmp_path: Path, binary: str) -> None:
-    """The rolling rollout's drain flag (donorkit/rollout.py): on the donor, a request with the
-    edges' health header while the flag file exists gets 503 before the proxy; the edge sends
-    that header on its health checks only and drops a client's copy. (Seen at runtime with the
+    """The rolling rollout's drain flag (donorkit/commands/rollout.py): on the donor, a request
+    with the edges' health header while the flag file exists gets 503 before the proxy; the edge
+    sends that header on its health checks only and drops a client's copy. (Seen at runtime with the
     rendered files on 2.6.2 and 2.11.7: bench/edge_failover.py's setup, 10 of 10 requests to the
     other donor while the flag existed, "host is up" ~2 s after it went.)"""
     import json
 
-    from donorkit.render import EDGE_HEALTH_HEADER, drain_flag
+    from donorkit.render.templates import EDGE_HEALTH_HEADER, drain_flag
 
     binary = caddy_or_skip(binary)
     edge_data, donor = load(tmp_path, FLEET)[1]["front"], load(tmp_path, FLEET)[0]["b"]
@@ -501,7 +501,7 @@ class VllmDouble:
 def get(port: int, hostname: str, path: str, ca: Path,
         client: tuple[str, str] | None = None) -> int:
     """GET `path` exactly as written (http.client sends it unnormalised) with SNI and Host
-    `hostname`: the operator's one HTTPS client (donorkit/transport.py)."""
+    `hostname`: the operator's one HTTPS client (donorkit/commands/transport.py)."""
     return https_get("127.0.0.1", port, hostname, path, ca, client, timeout=20)[0]
 
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import pki as pki_module
-from donorkit.fleet import load_inventory
-from donorkit.pki import OPERATOR_CLIENT, Pki
-from donorkit.render import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
-from donorkit.transport import free_port, https_get, wait_until
+from donorkit.commands.transport import free_port, https_get, wait_until
+from donorkit.inventory import pki as pki_module
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
+from donorkit.render.templates import CADDYFILE, EDGE_HEALTH_HEADER, render_edge, render_host
 from tests.unit.test_edge import CADDIES, CADDY_IDS, caddy_or_skip, in_tmp, lay_out
 
 HOSTNAME = "hermes.ai.unturf.com"

@@ -6,7 +6,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from donorkit.box_facts import CudaStack, HostProfile
+from donorkit.box.box_facts import CudaStack, HostProfile
 
 
 def run(command: str) -> list[str]:

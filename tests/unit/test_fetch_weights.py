@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.paths import REPO_ROOT
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
+from donorkit.inventory.paths import REPO_ROOT
 from tests.testbed.hub_standin import generate_checkpoint, load_repo, make_servers
 
 FETCH = REPO_ROOT / "files/fetch_weights.py"
@@ -254,7 +254,7 @@ def _second_user_python(work: Path) -> Path:
 def test_the_token_is_roots_and_reaches_the_fetch_on_stdin(hub, tmp_path):
     """Issue 21, hole 8: the token lies root's, 0600 in a 0700 folder (tasks/weights.py), out of
     the service user's reach, so the vLLM unit (User= the service user) cannot read it. The
-    weights step's own command (donorkit.serving.model_weights), run here by a root shell as on
+    weights step's own command (donorkit.box.serving.model_weights), run here by a root shell as on
     the box, opens it and hands it to the fetch, run as another user (`nobody` stands for the
     service user), on standard input."""
     import pwd
@@ -263,7 +263,7 @@ def test_the_token_is_roots_and_reaches_the_fetch_on_stdin(hub, tmp_path):
 
     from pyinfra.context import ctx_host
 
-    from donorkit.serving import model_weights
+    from donorkit.box.serving import model_weights
     from pyinfra_declared.json_cases import CaseHost
 
     url, state = hub

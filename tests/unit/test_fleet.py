@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.fleet import DONORS_FILE, FleetError, load_fleet, load_inventory
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.fleet import DONORS_FILE, FleetError, load_fleet, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
 
 GOOD = textwrap.dedent("""\
     donors:
@@ -220,7 +220,7 @@ def test_engine_fields_are_checked(tmp_path: Path, card_yaml: str, problem: str)
 
 
 def test_cpu_engine_unit_has_no_cuda_environment() -> None:
-    from donorkit.render import render_unit
+    from donorkit.render.templates import render_unit
 
     box = load_fleet(CPU_DONORS)["tb-cpu"]
     unit = render_unit(box, box.models["tiny"])
@@ -235,7 +235,7 @@ def test_cpu_engine_unit_has_no_cuda_environment() -> None:
 def test_yaml_is_parsed_by_libyaml_with_the_same_duplicate_key_refusal() -> None:
     import yaml
 
-    from donorkit import inventory_files
+    from donorkit.inventory import inventory_files
 
     if not yaml.__with_libyaml__:
         pytest.skip("PyYAML built without libyaml: the pure-Python loader is the only one")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit.fleet import load_fleet
-from donorkit.paths import REPO_ROOT
-from donorkit.render import exec_start, render_unit, unit_environment
+from donorkit.inventory.fleet import load_fleet
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render.templates import exec_start, render_unit, unit_environment
 from gpu import engine_results, engine_run
 
 ENGINE_DONORS = REPO_ROOT / "gpu/engine.yml"
@@ -80,8 +80,9 @@ def in_the_image(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_blocker_refuses_what_the_gpu_image_lacks() -> None:
-    """The guard can fail: pydantic (donorkit.acceptance's) is refused as on the GPU machine."""
-    result = in_the_image("--import", "donorkit.acceptance")
+    """The guard can fail: pydantic (donorkit.commands.accept_records's) is refused as on the GPU
+    machine."""
+    result = in_the_image("--import", "donorkit.commands.accept_records")
     assert result.returncode == 1
     assert "in the GPU image (blocked)" in result.stderr  # yaml or pydantic, whichever first
 
@@ -95,7 +96,7 @@ def stage_chunks(tmp_path: Path) -> Path:
     donors["overrides"]["pki_dir"] = str(tmp_path / "pki")
     (tmp_path / "engine.yml").write_text(yaml.safe_dump(donors))
     for donor in ("h200-qwen", "h200-hermes"):
-        subprocess.run([sys.executable, "-m", "donorkit.render_cli", donor,
+        subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", donor,
                         str(stage / "render" / donor)], cwd=REPO_ROOT, check=True,
                        env={**os.environ, "DONORS_FILE": str(tmp_path / "engine.yml")},
                        capture_output=True)

@@ -1,7 +1,7 @@
 """Issue 21, holes 1 and 3: inventory values that wrote their own Caddy site, or handed the box
 away, or locked the operator out, were accepted. Each is refused now with one line naming the
-file, the host and the field (donorkit/schema.py), before anything renders or connects; and the
-templates quote every value, so a value the schema let through still cannot open a site or a
+file, the host and the field (donorkit/inventory/schema.py), before anything renders or connects;
+and the templates quote every value, so a value the schema let through still cannot open a site or a
 directive (tests/unit/test_templates.py, tests/unit/test_inventory_property.py)."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import pki, rollout_plan
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.render import render_edge_caddyfile
+from donorkit.commands import rollout_plan
+from donorkit.inventory import pki
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render.templates import render_edge_caddyfile
 from tests.unit.host_edit import put
 
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
@@ -273,7 +274,7 @@ def test_one_duration_type_for_schema_template_and_rollout(tmp_path: Path) -> No
 
 def test_make_render_says_one_line_and_touches_nothing(tmp_path: Path) -> None:
     path = write(tmp_path, {"box": dict(BOX, ssh_host=ZONE_SITE)})
-    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "box",
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", "box",
                              str(tmp_path / "out")], cwd=REPO_ROOT,
                             env=dict(os.environ, DONORS_FILE=str(path)), capture_output=True,
                             text=True, timeout=60)

@@ -5,8 +5,8 @@ Hypothesis mutates the shipped donors file, with the testbed's overrides and edg
 set of keys), thousands of times: values replaced by other types and by strings with quotes,
 `$`, `%`, newlines and non-ASCII, keys deleted or added, values nested into lists and mappings,
 and any defaults.yml key (at any depth) set in a donor's or the file's `overrides`. Each case goes
-through donorkit.render_cli.main, the code `make render` runs. The number of cases and the time
-they took are printed (pytest -s). The second test (issue 21) takes every string field and key,
+through donorkit.commands.render_cli.main, the code `make render` runs. The number of cases and the
+time they took are printed (pytest -s). The second test (issue 21) takes every string field and key,
 edges included, and reads every accepted value back through the real `caddy adapt`."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from donorkit import render_cli
-from donorkit.fleet import DEFAULTS_FILE, DONORS_FILE
-from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import REPO_ROOT
+from donorkit.commands import render_cli
+from donorkit.inventory.fleet import DEFAULTS_FILE, DONORS_FILE
+from donorkit.inventory.host_data import DonorBox, EdgeBox
+from donorkit.inventory.paths import REPO_ROOT
 
 CASES = int(os.environ.get("UNCLOSEAI_PROPERTY_CASES", "2000"))
 SHIPPED = yaml.safe_load(DONORS_FILE.read_text())
@@ -270,7 +270,7 @@ def place(doc: dict, target: tuple, value: str, where: tuple) -> dict:
 
 
 def test_every_string_field_is_refused_in_one_line_or_renders_as_data() -> None:
-    from donorkit.fleet import FleetError, load_inventory
+    from donorkit.inventory.fleet import FleetError, load_inventory
     from tests.unit import rendered_shape as shape
 
     started, stats = time.monotonic(), {"cases": 0, "refused": 0, "rendered": 0}

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import tunnel, tunnel_join
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import Pki, ca_fingerprint
-from donorkit.tunnel_operations import CONF_MARKER, TunnelOwnership, tunnel_is_ours
+from donorkit.box.tunnel_operations import CONF_MARKER, TunnelOwnership, tunnel_is_ours
+from donorkit.commands import join_file as tunnel_join
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import Pki, ca_fingerprint
+from donorkit.render import tunnel_files
 from pyinfra_declared.json_cases import plan, refusal_message
 from tests.unit.make import make
 from tests.unit.test_tunnel import donors_file
@@ -65,11 +66,11 @@ def test_the_good_join_file_is_accepted_and_adds_only_our_tunnel(joined) -> None
     settings = tunnel_join.local_tunnel_settings()
     data = tunnel_join.donor_tunnel(join, settings)
     assert data.packages == settings.packages  # the owner's checkout's, never the file's
-    conf = tunnel.render_conf(data)
+    conf = tunnel_files.render_conf(data)
     assert conf.startswith(CONF_MARKER)  # what the ownership check looks for
     assert [line for line in conf.splitlines() if line.startswith("AllowedIPs")] == [
         f"AllowedIPs = {join.tunnel.peers[0].address}/32"]
-    assert "tcp dport { 443, 22 }" in tunnel.render_nft(data)
+    assert "tcp dport { 443, 22 }" in tunnel_files.render_nft(data)
     assert "TCP 443 (Caddy) and 22 (sshd) open to those tunnel addresses only" in \
         tunnel_join.summary(join, settings)
 
@@ -193,13 +194,13 @@ def test_the_signature_tells_the_operators_file(joined, tmp_path) -> None:
 ])
 def test_the_file_is_read_bounded_through_make_joins_entry_point(
         joined, what, text, expected) -> None:
-    """`python -m donorkit.tunnel_join check` (the first step of `make join`): one line, exit 2,
-    quickly (an alias bomb or a deep file is refused before it is built)."""
+    """`python -m donorkit.commands.join_file check` (the first step of `make join`): one line,
+    exit 2, quickly (an alias bomb or a deep file is refused before it is built)."""
     path, fingerprint = joined
     path.write_bytes(text.encode("utf-8", "surrogateescape"))
-    result = subprocess.run([sys.executable, "-m", "donorkit.tunnel_join", "check", str(path),
-                             "--fingerprint", fingerprint], capture_output=True, text=True,
-                            timeout=60, cwd=REPO_ROOT)
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check",
+                             str(path), "--fingerprint", fingerprint], capture_output=True,
+                            text=True, timeout=60, cwd=REPO_ROOT)
     assert result.returncode == 2, result.stdout + result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith(f"join error: {path}: ") and expected in line, line
@@ -217,9 +218,9 @@ def test_make_join_file_signs_and_make_join_checks_it(tmp_path: Path) -> None:
     assert wrote.returncode == 0, wrote.stdout + wrote.stderr
     fingerprint = ca_fingerprint(Pki(tmp_path / "pki").ca_pem())
     assert f"FINGERPRINT={fingerprint}" in wrote.stdout
-    checked = subprocess.run([sys.executable, "-m", "donorkit.tunnel_join", "check", str(out),
-                              "--fingerprint", fingerprint], capture_output=True, text=True,
-                             timeout=60, cwd=REPO_ROOT)
+    checked = subprocess.run([sys.executable, "-m", "donorkit.commands.join_file", "check",
+                              str(out), "--fingerprint", fingerprint], capture_output=True,
+                             text=True, timeout=60, cwd=REPO_ROOT)
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("join: donor tb-home, signed by the operator's CA")
     usage = subprocess.run(make("join", f"JOIN={out}"), capture_output=True, text=True,
@@ -262,7 +263,7 @@ def test_the_ownership_fact_in_a_real_shell(joined, tmp_path) -> None:
     owners = tmp_path / "wg0.conf"
     owners.write_text("[Interface]\nPrivateKey = c2VjcmV0LW9mLXRoZS1vd25lcg==\n")
     ours = tmp_path / "ours.conf"
-    ours.write_text(tunnel.render_conf(data))
+    ours.write_text(tunnel_files.render_conf(data))
     link = tmp_path / "link.conf"
     link.symlink_to(ours)
     fact = TunnelOwnership()

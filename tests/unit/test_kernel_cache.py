@@ -1,5 +1,5 @@
-"""The engine's kernels shipped between boxes of a stack (donorkit/kernel_cache.py), run for real:
-the operations' own commands executed in a real shell (tar, sha256sum, chown) on two "boxes"
+"""The engine's kernels shipped between boxes of a stack (donorkit/box/kernel_cache.py), run for
+real: the operations' own commands executed in a real shell (tar, sha256sum, chown) on two "boxes"
 made of temporary folders, the copy back and the upload done as pyinfra does them (a file
 copy), the box's fact read with its own command. What the real FlashInfer does with the
 shipped kernels was measured on the GPU machine (docs/gpu.md,
@@ -21,9 +21,9 @@ import pytest
 from pyinfra.api import FileDownloadCommand, FileUploadCommand, FunctionCommand, StringCommand
 from pyinfra.context import ctx_host
 
-from donorkit import kernel_cache, wheel_cache
-from donorkit.kernel_cache import EngineKernels, UnitKernels, keep_kernels, ship_kernels
-from donorkit.wheel_cache import WheelCacheError
+from donorkit.box import kernel_cache, wheel_cache
+from donorkit.box.kernel_cache import EngineKernels, UnitKernels, keep_kernels, ship_kernels
+from donorkit.box.wheel_cache import WheelCacheError
 from pyinfra_declared.json_cases import CaseHost
 from tests.unit.wheels import make_tar
 
@@ -44,7 +44,7 @@ class Box:
         self.home.mkdir(parents=True)
         self.kernels = UnitKernels(
             unit="vllm-qwen.service",
-            # Rendered units name their box in the header comment (donorkit/render.py).
+            # Rendered units name their box in the header comment (donorkit/render/templates.py).
             unit_text=unit_text or f"# Managed by the uncloseai donor deploy ({name}).\n"
                                    "[Service]\nEnvironment=MAX_JOBS=2\n",
             checkpoint="org/qwen",

@@ -1,4 +1,4 @@
-"""`make lock` (donorkit/lock.py) against the testbed's STAND-IN for the Hugging Face hub
+"""`make lock` (donorkit/commands/pin.py) against the testbed's STAND-IN for the Hugging Face hub
 (tests/testbed/hub_standin.py, a real HTTP server on loopback; huggingface.co cannot be reached
 from here), with the real huggingface_hub client; and the loader's refusal of a donor whose
 model has no revision, before any connection."""
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from donorkit import lock
-from donorkit.fleet import FleetError, check_revisions, load_fleet
-from donorkit.paths import REPO_ROOT
+from donorkit.commands import pin as lock
+from donorkit.inventory.fleet import FleetError, check_revisions, load_fleet
+from donorkit.inventory.paths import REPO_ROOT
 from tests.testbed.hub_standin import generate_checkpoint, make_servers
 
 QWEN = "turboderp/Qwen3.8-27B-exl3"      # defaults.yml's qwen checkpoint
@@ -68,7 +68,7 @@ def donors(endpoint: str, extra: str = "") -> str:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "donorkit.lock", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "donorkit.commands.pin", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from donorkit import box_operations
-from donorkit.box_operations import Exllamav3Build
+from donorkit.box import box_operations
+from donorkit.box.box_operations import Exllamav3Build
 from pyinfra_declared.json_cases import check_case, plan, refusal_message
 
 HERE = Path(__file__).parent / "operations"

@@ -1,7 +1,7 @@
 """FlashInfer's kernels built before a unit's first start (files/prebuild_kernels.py, run by
-donorkit/prebuild.py's operation): the script's own reading of the model and of the box's memory,
-and the operation's command run for real in a shell as the service user, once per stack. What
-the build itself does with the real FlashInfer was measured on the GPU machine (docs/gpu.md,
+donorkit/box/prebuild.py's operation): the script's own reading of the model and of the box's
+memory, and the operation's command run for real in a shell as the service user, once per stack.
+What the build itself does with the real FlashInfer was measured on the GPU machine (docs/gpu.md,
 gpu/results/h200-engine-2026-12-03-qwen35: four modules in 115 s, the engine then
 built none)."""
 
@@ -18,9 +18,14 @@ import pytest
 from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.context import ctx_host
 
-from donorkit.kernel_cache import EngineKernels
-from donorkit.paths import REPO_ROOT
-from donorkit.prebuild import checkpoint_config, prebuild_command, prebuild_kernels, prebuild_stamp
+from donorkit.box.kernel_cache import EngineKernels
+from donorkit.box.prebuild import (
+    checkpoint_config,
+    prebuild_command,
+    prebuild_kernels,
+    prebuild_stamp,
+)
+from donorkit.inventory.paths import REPO_ROOT
 from pyinfra_declared.json_cases import CaseHost
 from tests.unit.test_kernel_cache import CUDA, VENV, Box
 

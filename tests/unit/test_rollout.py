@@ -1,13 +1,13 @@
-"""The rollout driver's plan (donorkit/rollout.py): batches of N in inventory order, never two
-boxes of one public hostname together; the resume command names the failed box."""
+"""The rollout driver's plan (donorkit/commands/rollout.py): batches of N in inventory order, never
+two boxes of one public hostname together; the resume command names the failed box."""
 
 from __future__ import annotations
 
 import argparse
 
-from donorkit.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
-from donorkit.rollout_plan import Box, plan_batches, resume_command
-from donorkit.transport import free_port, wait_until
+from donorkit.commands.rollout_plan import Box, plan_batches, resume_command
+from donorkit.commands.transport import free_port, wait_until
+from donorkit.inventory.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
 from tests.unit.make import make
 
 # Host data with only the fields the plan reads (model_construct: the rest is not needed here).
@@ -55,8 +55,8 @@ import subprocess as _subprocess  # noqa: E402
 
 import yaml  # noqa: E402
 
-from donorkit import rollout, rollout_hosts, rollout_plan  # noqa: E402
-from donorkit.paths import REPO_ROOT  # noqa: E402
+from donorkit.commands import rollout, rollout_hosts, rollout_plan  # noqa: E402
+from donorkit.inventory.paths import REPO_ROOT  # noqa: E402
 
 
 def edge(name: str, *pools: tuple[str, str]) -> rollout_plan.Edge:
@@ -270,7 +270,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from donorkit.rollout_plan import edge_sees, health_events, upstream_requests  # noqa: E402
+from donorkit.commands.rollout_plan import edge_sees, health_events, upstream_requests  # noqa: E402
 
 CADDIES = [str(Path(sys.executable).parent / "caddy"), "/usr/bin/caddy"]
 

@@ -1,6 +1,7 @@
 """Issue 14's cases, each its own test: every value of defaults.yml, of a donor entry and of
-`overrides` is checked (donorkit/schema.py) before anything renders or connects, and a mistake is
-one line naming file, donor and field, exit 2, through `make render` and `pyinfra` alike."""
+`overrides` is checked (donorkit/inventory/schema.py) before anything renders or connects, and a
+mistake is one line naming file, donor and field, exit 2, through `make render` and `pyinfra`
+alike."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit.fleet import FleetError, load_fleet
-from donorkit.paths import REPO_ROOT
-from donorkit.pki import Pki, PkiError
-from donorkit.render import render_host, render_unit
-from donorkit.values import owned_option
+from donorkit.inventory.fleet import FleetError, load_fleet
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.inventory.pki import Pki, PkiError
+from donorkit.inventory.values import owned_option
+from donorkit.render.templates import render_host, render_unit
 from tests.unit.make import make
 
 BIN = Path(sys.executable).parent
@@ -224,7 +225,7 @@ def test_half_a_ca_pair_stops_and_nothing_is_written(tmp_path: Path, keep: str) 
 
 def test_ca_files_are_never_overwritten(tmp_path: Path) -> None:
     """O_EXCL: a CA file that appears between the check and the write is not replaced."""
-    from donorkit import pki as pki_module
+    from donorkit.inventory import pki as pki_module
     target = tmp_path / "ca.key"
     target.write_bytes(b"theirs")
     with pytest.raises(FileExistsError):
@@ -272,7 +273,7 @@ def test_half_ca_pair_stops_make_render(tmp_path: Path) -> None:
     pki.mkdir()
     (pki / "ca.crt").write_text("kept")
     path = donors(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "box",
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", "box",
                              str(tmp_path / "out")], cwd=REPO_ROOT,
                             env=dict(os.environ, DONORS_FILE=str(path)), capture_output=True,
                             text=True, timeout=60)

@@ -1,6 +1,6 @@
-"""The weights step and the readiness gate as operations (donorkit/serving.py): facts in, commands
-out, converged = no command; their facts' commands run in a real shell against the real programs
-(files/fetch_weights.py's check, the vLLM stand-in's /v1/models)."""
+"""The weights step and the readiness gate as operations (donorkit/box/serving.py): facts in,
+commands out, converged = no command; their facts' commands run in a real shell against the real
+programs (files/fetch_weights.py's check, the vLLM stand-in's /v1/models)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from pyinfra.api import FunctionCommand
 from pyinfra.context import ctx_host
 
-from donorkit.paths import REPO_ROOT
-from donorkit.serving import ModelsListed, WeightsComplete, model_weights, ready_gate
-from donorkit.transport import wait_until
+from donorkit.box.serving import ModelsListed, WeightsComplete, model_weights, ready_gate
+from donorkit.commands.transport import wait_until
+from donorkit.inventory.paths import REPO_ROOT
 from pyinfra_declared.json_cases import CaseHost, refusal_message
 
 REV = "4ff9003a33658da90d0bc7977d0251d39075a663"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import textwrap
 
-from donorkit import status, status_view
-from donorkit.fleet import load_inventory
-from donorkit.limit import select
-from donorkit.paths import REPO_ROOT
-from donorkit.transport import free_port
+from donorkit.commands import status, status_view
+from donorkit.commands.transport import free_port
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.limit import select
+from donorkit.inventory.paths import REPO_ROOT
 
 
 def test_metrics_are_summed_per_name_and_the_retired_name_ignored() -> None:
@@ -113,7 +113,7 @@ def test_limit_is_pyinfras(tmp_path) -> None:
 
 
 def test_accept_says_an_unreachable_donor_once(tmp_path, capsys) -> None:
-    from donorkit import accept
+    from donorkit.commands import accept
 
     port = free_port()
     path = tmp_path / "donors.yml"

@@ -14,9 +14,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from donorkit.fleet import DONORS_FILE, load_fleet, load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.render import render_caddyfile, render_host, render_unit, write_tree
+from donorkit.inventory.fleet import DONORS_FILE, load_fleet, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render.templates import render_caddyfile, render_host, render_unit, write_tree
 from tests.unit.host_edit import children, get, put
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
@@ -244,7 +244,7 @@ def shipped_donors_in(tmp_path: Path) -> Path:
 
 def render_cli(tmp_path: Path, host: str, out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, DONORS_FILE=str(shipped_donors_in(tmp_path)))
-    return subprocess.run([sys.executable, "-m", "donorkit.render_cli", host, str(out)],
+    return subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", host, str(out)],
                           cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
@@ -302,8 +302,8 @@ def test_render_never_writes_through_an_existing_path(tmp_path: Path, planted: s
 
 
 def test_render_cli_names_an_unknown_host(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "donorkit.render_cli", "nope", str(tmp_path)],
-                            cwd=REPO_ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "donorkit.commands.render_cli", "nope",
+                             str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "no donor or edge named 'nope'" in result.stderr
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.transport import wait_until
+from donorkit.commands.transport import wait_until
 from tests.testbed import common, containers, hosts, network, www
 
 

@@ -18,7 +18,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from donorkit.paths import REPO_ROOT
+from donorkit.inventory.paths import REPO_ROOT
 from tests.testbed import tiny_model
 from tests.testbed.hub_standin import make_servers
 

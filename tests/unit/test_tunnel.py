@@ -1,5 +1,5 @@
-"""Home donors behind NAT (donorkit/tunnel.py), host-free: the data (addresses from the pool,
-stable and unique, the one-line refusals), what each box gets (WireGuard config without a
+"""Home donors behind NAT (donorkit/inventory/tunnel_plan.py), host-free: the data (addresses from
+the pool, stable and unique, the one-line refusals), what each box gets (WireGuard config without a
 private key, the nftables table through the real `nft -c`, Caddy bound to the tunnel and
 loopback, the edge's upstream at the tunnel address), SSH through the edge, and
 the tunnel's operations (facts in, commands out)."""
@@ -15,16 +15,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from donorkit import render, tunnel
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import REPO_ROOT
-from donorkit.tunnel_operations import (
+from donorkit.box.tunnel_operations import (
     firewall_loaded,
     tunnel_key_is,
     tunnel_running,
     userspace_wireguard,
     wireguard_key,
 )
+from donorkit.inventory import tunnel_plan
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render import templates as render
+from donorkit.render import tunnel_files
 from pyinfra_declared.json_cases import plan, refusal_message
 from tests.unit.rendered_shape import adapt, in_tmp, lay_out
 
@@ -59,7 +61,7 @@ def test_addresses_come_from_the_pool_and_stay_put(tmp_path: Path) -> None:
     addresses = [home.tunnel_address, never.tunnel_address, edge.tunnel_address]
     assert len(set(addresses)) == 3
     assert all(a.startswith("10.77.") for a in addresses)
-    assert home.tunnel_address == tunnel.derived_address("10.77.0.0/16", "tb-home")
+    assert home.tunnel_address == tunnel_plan.derived_address("10.77.0.0/16", "tb-home")
 
     def add_one(doc):  # another donor joins: nobody else's address moves
         doc["donors"]["tb-other"] = dict(doc["donors"]["tb-never"])
@@ -71,8 +73,8 @@ def test_addresses_come_from_the_pool_and_stay_put(tmp_path: Path) -> None:
 
 def test_a_derived_address_is_never_the_network_or_broadcast() -> None:
     for name in (f"box-{i}" for i in range(2000)):
-        address = tunnel.derived_address("10.77.0.0/28", name)
-        assert tunnel.check_address("10.77.0.0/28", address) is None, (name, address)
+        address = tunnel_plan.derived_address("10.77.0.0/28", name)
+        assert tunnel_plan.check_address("10.77.0.0/28", address) is None, (name, address)
 
 
 def test_the_edge_proxies_to_the_tunnel_address_and_the_box_is_reached_through_the_edge(
@@ -89,7 +91,7 @@ def test_the_edge_proxies_to_the_tunnel_address_and_the_box_is_reached_through_t
     assert command[0] == "ssh"
     assert command[-3:] == ["-W", f"{home.tunnel_address}:22", "root@10.213.0.20"]
     assert "StrictHostKeyChecking=yes" in command and "BatchMode=yes" in command
-    config = tunnel.ssh_config(home)
+    config = tunnel_files.ssh_config(home)
     assert (f"Host {home.tunnel_address}\n    ProxyJump uncloseai-jump-tb-edge\n"
             in config)
     assert "Host uncloseai-jump-tb-edge\n    HostName 10.213.0.20\n" in config
@@ -103,7 +105,7 @@ def test_pyinfra_jumps_through_the_edge_with_the_edges_own_ssh_data(tmp_path: Pa
     from pyinfra.connectors.sshuserclient.client import SSHClient, get_ssh_config
 
     fleet, _ = load_inventory(donors_file(tmp_path))
-    path = tunnel.write_ssh_config(fleet["tb-home"], tmp_path / "ssh")
+    path = tunnel_files.write_ssh_config(fleet["tb-home"], tmp_path / "ssh")
     config = get_ssh_config(path)
     target = config.lookup(fleet["tb-home"].tunnel_address)
     assert target["proxyjump"] == "uncloseai-jump-tb-edge"
@@ -129,8 +131,8 @@ def test_direct_donors_are_unchanged(tmp_path: Path) -> None:
 
 def test_the_wireguard_configs_hold_no_private_key(tmp_path: Path) -> None:
     fleet, edges = load_inventory(donors_file(tmp_path))
-    donor_conf = tunnel.render_conf(fleet["tb-home"].tunnel)
-    edge_conf = tunnel.render_conf(edges["tb-edge"].tunnel)
+    donor_conf = tunnel_files.render_conf(fleet["tb-home"].tunnel)
+    edge_conf = tunnel_files.render_conf(edges["tb-edge"].tunnel)
     for conf in (donor_conf, edge_conf):
         assert "PrivateKey" not in conf
         assert "PostUp = wg set %i private-key /etc/wireguard/wg-uncloseai.key" in conf
@@ -146,7 +148,7 @@ def test_the_firewall_tables_pass_nft(tmp_path: Path) -> None:
     fleet, edges = load_inventory(donors_file(tmp_path))
     for name, data in (("donor", fleet["tb-home"]), ("edge", edges["tb-edge"])):
         path = tmp_path / f"{name}.nft"
-        path.write_text(tunnel.render_nft(data.tunnel))
+        path.write_text(tunnel_files.render_nft(data.tunnel))
         result = subprocess.run(["nft", "-c", "-f", str(path)], capture_output=True, text=True)
         assert result.returncode == 0, (name, result.stderr)
     donor_rules = (tmp_path / "donor.nft").read_text()
@@ -182,7 +184,7 @@ def test_a_tunnelled_donors_caddy_binds_the_tunnel_and_loopback(tmp_path: Path) 
     (lambda d: d["donors"]["tb-home"].update(tunnel_address="10.77.255.255"),
      "donor 'tb-home': field 'tunnel_address': 10.77.255.255 is the pool's broadcast address"),
     (lambda d: d["donors"]["tb-never"].update(
-        tunnel_address=tunnel.derived_address("10.77.0.0/16", "tb-home")),
+        tunnel_address=tunnel_plan.derived_address("10.77.0.0/16", "tb-home")),
      "donor 'tb-never': field 'tunnel_address': 10.77.45.71 is also the tunnel address of "
      "donor 'tb-home'"),
     (lambda d: d["edges"]["tb-edge"].update(hostnames=["qwen.ai.unturf.com"]) or
@@ -265,13 +267,13 @@ def test_the_firewall_is_loaded_when_its_file_changed_or_the_table_is_gone() -> 
 
 def test_the_tunnel_watch_pings_each_edge_through_the_tunnel(tmp_path: Path) -> None:
     fleet, edges = load_inventory(donors_file(tmp_path))
-    unit = tunnel.render_watch_unit(fleet["tb-home"].tunnel)
+    unit = tunnel_files.render_watch_unit(fleet["tb-home"].tunnel)
     assert (f'for edge in {edges["tb-edge"].tunnel_address}; do ping -n -q -c 1 -W 2 -I '
             'wg-uncloseai "$$edge"') in unit  # $$: systemd would expand $edge itself
     assert "BindsTo=wg-quick@wg-uncloseai.service" in unit and "DynamicUser=yes" in unit
     assert "sleep 5;" in unit
     # The edge answers those pings (and nothing else new) from the tunnel.
-    assert 'iifname "wg-uncloseai" icmp type echo-request accept' in tunnel.render_nft(
+    assert 'iifname "wg-uncloseai" icmp type echo-request accept' in tunnel_files.render_nft(
         edges["tb-edge"].tunnel)
 
 
@@ -294,7 +296,7 @@ def test_a_changed_config_is_synced_never_restarted_and_keeps_the_key() -> None:
 @pytest.mark.skipif(not shutil.which("awk"), reason="awk")
 def test_the_sync_puts_the_key_under_the_interface_section(tmp_path: Path) -> None:
     """sync_command's awk, run on a stripped config: the key from its file, after [Interface]."""
-    from donorkit.tunnel_operations import sync_command
+    from donorkit.box.tunnel_operations import sync_command
 
     key = tmp_path / "k"
     key.write_text(KEY_A + "\n")
@@ -308,8 +310,8 @@ def test_the_sync_puts_the_key_under_the_interface_section(tmp_path: Path) -> No
 PROXY_CASE = """
 import http.server, os, ssl, sys, threading
 from pathlib import Path
-from donorkit.pki import Pki
-from donorkit.transport import https_get
+from donorkit.inventory.pki import Pki
+from donorkit.commands.transport import https_get
 
 tmp = Path(sys.argv[1])
 pki = Pki(tmp / "pki")

@@ -3,7 +3,7 @@ refused in one line naming the file, the host and the field, before anything tou
 (never a traceback, never a hang); a must-accept case loads and every host renders. The YAML
 reader's cases (an alias bomb, deep nesting, ...) run in a fresh interpreter through `make
 render`'s own entry point: a hang there is the loader's, and the loader must refuse by counting
-(donorkit.inventory_files.read_bounded_yaml), well within the subprocess's timeout."""
+(donorkit.inventory.inventory_files.read_bounded_yaml), well within the subprocess's timeout."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from donorkit import inventory_files, render, render_cli, tunnel
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.paths import REPO_ROOT
+from donorkit.commands import render_cli
+from donorkit.inventory import inventory_files
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.paths import REPO_ROOT
+from donorkit.render import templates as render
+from donorkit.render import tunnel_files
 
 CASES = yaml.safe_load((Path(__file__).parent / "tunnel_inventory_cases.yml").read_text())
 BASES = {"tunnel": REPO_ROOT / "tests/testbed/donors-tunnel.yml",
@@ -121,7 +124,7 @@ def _load_in_a_fresh_interpreter(path: Path) -> tuple[int, str, float]:
     start = time.monotonic()
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "donorkit.render_cli", "box", str(path.parent / "out")],
+            [sys.executable, "-m", "donorkit.commands.render_cli", "box", str(path.parent / "out")],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=LOADER_SECONDS,
             env={**os.environ, "DONORS_FILE": str(path)})
     except subprocess.TimeoutExpired:
@@ -170,7 +173,7 @@ def test_must_accept(case: dict, tmp_path: Path) -> None:
     for data in hosts.values():
         assert render.render_host(data)
         if data.tunnel is not None:
-            assert tunnel.render_conf(data.tunnel) and tunnel.render_nft(data.tunnel)
+            assert tunnel_files.render_conf(data.tunnel) and tunnel_files.render_nft(data.tunnel)
     for dotted, expected in case.get("expect", {}).items():
         host, *rest = dotted.split(".")
         assert _value(hosts[host], rest) == expected, dotted

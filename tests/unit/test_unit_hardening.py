@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from donorkit.fleet import DONORS_FILE, load_fleet
-from donorkit.render import render_unit, systemd_arg, systemd_env
+from donorkit.inventory.fleet import DONORS_FILE, load_fleet
+from donorkit.render.templates import render_unit, systemd_arg, systemd_env
 
 # The seed's unit scored 9.2 UNSAFE; the sandbox in defaults.yml must keep it at or below this.
 EXPOSURE_LIMIT = 2.5
@@ -129,7 +129,7 @@ def run_config_file(dest: Path, content: str, validate: str) -> int:
 
 
 def test_a_unit_systemd_refuses_never_replaces_the_installed_one(tmp_path: Path) -> None:
-    from donorkit.render import VERIFY_UNIT
+    from donorkit.render.templates import VERIFY_UNIT
 
     data = box(tmp_path)
     good = render_unit(data, data.models["qwen"])

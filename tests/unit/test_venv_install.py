@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.fleet import DEFAULTS_FILE, load_fleet, read_yaml
-from donorkit.render import VENV_BUSY_MARKER
+from donorkit.inventory.fleet import DEFAULTS_FILE, load_fleet, read_yaml
+from donorkit.render.templates import VENV_BUSY_MARKER
 from pyinfra_declared.json_cases import plan
 from pyinfra_declared.python_env import venv_packages
 
@@ -164,9 +164,9 @@ def test_real_uv_takes_every_option_of_the_command(tmp_path: Path, card: str) ->
 
 def test_a_changed_set_removes_the_kernels_shipped_for_the_old_one(tmp_path: Path) -> None:
     """FlashInfer loads a kernel from its folder of precompiled kernels without asking which
-    version built it (donorkit/kernel_cache.py ships them there): a change of the venv's set
+    version built it (donorkit/box/kernel_cache.py ships them there): a change of the venv's set
     removes that folder before uv runs, in a real shell; a converged venv keeps it."""
-    from donorkit.kernel_cache import FLASHINFER_AOT
+    from donorkit.box.kernel_cache import FLASHINFER_AOT
 
     data = host_data(tmp_path, "rtx4090")
     args = {"venv_dir": data.venv_dir, "packages": data.venv_requirements,

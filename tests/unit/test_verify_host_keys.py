@@ -9,7 +9,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from donorkit.host_data import EdgeBox
+from donorkit.inventory.host_data import EdgeBox
 from pyinfra_declared.tests.test_ssh_socket import _key_file, ssh_server  # noqa: F401 (fixture)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pyinfra.context import ctx_host
 
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.serving import hf_token_path
+from donorkit.box.serving import hf_token_path
+from donorkit.inventory.fleet import FleetError, load_inventory
 from tests.unit.test_tunnel import donors_file
 
 SECRET = "hf_0perat0rS3cretT0ken"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from donorkit.paths import REPO_ROOT
-from donorkit.transport import free_port
+from donorkit.commands.transport import free_port
+from donorkit.inventory.paths import REPO_ROOT
 
 GATE = REPO_ROOT / "files/wait_ready.py"
 STANDIN = REPO_ROOT / "tests/testbed/standins/vllm-standin"

@@ -15,10 +15,10 @@ import pytest
 from pyinfra.api import Config, FactBase, Inventory, State
 from pyinfra.api.host import Host
 
-from donorkit import box_operations, wheel_cache
-from donorkit.box_facts import CudaStack
-from donorkit.paths import REPO_ROOT
-from donorkit.wheel_cache import Exllamav3Stack, WheelCacheError
+from donorkit.box import box_operations, wheel_cache
+from donorkit.box.box_facts import CudaStack
+from donorkit.box.wheel_cache import Exllamav3Stack, WheelCacheError
+from donorkit.inventory.paths import REPO_ROOT
 from tests.unit import wheels
 from tests.unit.wheels import DIST_INFO, good_files, make_wheel
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from donorkit.pki import Pki
+from donorkit.inventory.pki import Pki
 
 
 @dataclass

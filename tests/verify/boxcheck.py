@@ -15,7 +15,7 @@ import pytest
 from testinfra.backend.base import CommandResult
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 # ---------------------------------------------------------------- skip or fail -----------------
 
@@ -432,7 +432,7 @@ def listeners(ss_output: str) -> list[tuple[str, int, str]]:
 def expected_environment(data: DonorBox, model: ServedModel) -> dict[str, str]:
     """What the unit's Environment= must be: the inventory's, plus the stack digest where the
     deploy writes one (render.DIGEST_VARIABLE / unit_digest, when donorkit defines them)."""
-    from donorkit import render
+    from donorkit.render import templates as render
 
     env = {k: str(v) for k, v in render.unit_environment(data, model).items()}
     if hasattr(render, "unit_digest") and hasattr(render, "DIGEST_VARIABLE"):
@@ -446,7 +446,7 @@ def unit_env(host: Host, data: DonorBox, model: ServedModel) -> tuple[dict[str, 
     With systemd as PID 1: read back from the installed unit (a missing unit fails). Without:
     the inventory's environment, which is what the deploy would write.
     """
-    from donorkit import render
+    from donorkit.render import templates as render
 
     if systemd_booted(host):
         unit_show(host, model.unit)

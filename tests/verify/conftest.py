@@ -1,7 +1,7 @@
 """Post-deploy verification of donor boxes (pytest-testinfra), driven by the deploy's inventory.
 
-Hosts come from the same data the deploy uses (donorkit.fleet.load_fleet), so every check compares
-the box with what the inventory says it should be:
+Hosts come from the same data the deploy uses (donorkit.inventory.fleet.load_fleet), so every check
+compares the box with what the inventory says it should be:
 
     pytest tests/verify                          # every donor: inventory/donors.yml or $DONORS_FILE
     pytest tests/verify --donors other.yml       # another donors file
@@ -40,10 +40,10 @@ from testinfra.backend.local import LocalBackend
 from testinfra.backend.paramiko import ParamikoBackend
 from testinfra.host import Host
 
-from donorkit import transport
-from donorkit.fleet import FleetError, load_inventory
-from donorkit.host_data import DonorBox, EdgeBox, ServedModel
-from donorkit.limit import LimitError, select
+from donorkit.commands import transport
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.host_data import DonorBox, EdgeBox, ServedModel
+from donorkit.inventory.limit import LimitError, select
 
 CONNECT_TIMEOUT_S = 10
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from donorkit import transport
-from donorkit.host_data import DonorBox
-from donorkit.paths import pki_dir
-from donorkit.pki import OPERATOR_CLIENT, Pki
+from donorkit.commands import transport
+from donorkit.inventory.host_data import DonorBox
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 
 
 def edge_client_pair(data: DonorBox) -> tuple[Path, Path] | None:
@@ -39,7 +39,7 @@ def ca_file(data: DonorBox) -> Path | None:
 def get(address: str, port: int, hostname: str, path: str, ca: Path | None,
         client: tuple[Path, Path] | None, timeout: float = 60,
         proxy: list[str] | None = None) -> tuple[int, str]:
-    """GET https://hostname:port/path from `address` (donorkit.transport.https_get; a home
+    """GET https://hostname:port/path from `address` (donorkit.commands.transport.https_get; a home
     donor's through its edge: `proxy`, its data's caddy_proxy_command)."""
     return transport.https_get(address, port, hostname, path, ca, client, timeout,
                                proxy=proxy)

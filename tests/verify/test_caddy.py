@@ -10,10 +10,10 @@ import pytest
 from boxcheck import loggers_for_host, missing, need_systemd, reverse_proxies, routes_for_host
 from testinfra.host import Host
 
-from donorkit import render
-from donorkit.host_data import DonorBox, ServedModel
-from donorkit.paths import pki_dir
-from donorkit.values import duration_ns
+from donorkit.inventory.host_data import DonorBox, ServedModel
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.values import duration_ns
+from donorkit.render import templates as render
 
 NS_PER_S = 10**9
 
@@ -42,7 +42,7 @@ def _duration_s(value: object) -> float:
     """Caddy JSON durations are ns integers (or Go duration strings when written by hand)."""
     if isinstance(value, (int, float)):
         return value / NS_PER_S
-    return duration_ns(str(value)) / NS_PER_S  # the one parser (donorkit/values.py)
+    return duration_ns(str(value)) / NS_PER_S  # the one parser (donorkit/inventory/values.py)
 
 
 def _adapted(host: Host) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from boxcheck import check, unit_env, with_env
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 
 def test_nvcc_version(host: Host, data: DonorBox) -> None:

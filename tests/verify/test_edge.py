@@ -14,9 +14,9 @@ import pytest
 from boxcheck import missing
 from testinfra.host import Host
 
-from donorkit import render
-from donorkit.host_data import DonorBox, EdgeBox
-from donorkit.paths import pki_dir
+from donorkit.inventory.host_data import DonorBox, EdgeBox
+from donorkit.inventory.paths import pki_dir
+from donorkit.render import templates as render
 
 
 def _on_box_ca(host: Host, data: DonorBox) -> str:

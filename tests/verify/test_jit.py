@@ -16,7 +16,7 @@ from boxcheck import (
 )
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 KERNEL = r"""
 #include <cuda_runtime.h>

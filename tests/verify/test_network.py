@@ -8,7 +8,7 @@ import pytest
 from boxcheck import listeners, missing
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

