@@ -1,28 +1,11 @@
 """Fetch one model checkpoint at a pinned revision into the service user's Hugging Face cache.
 
-Shipped to the box by the deploy and run there AS THE SERVICE USER with the vLLM venv's python
-(huggingface_hub is a vLLM dependency):
-
-    fetch_weights.py --repo ORG/NAME --revision <40-hex commit> --cache-dir DIR \
-        --manifest-dir DIR [--endpoint URL] [--token-file FILE] [--check]
-
-Converged = a manifest written by an earlier complete fetch (the file list and sizes at that
-revision) and every listed file present in the cache's `snapshots/<revision>/` with that size:
-a directory listing, no network, no hashing. `--check` only does that (exit 0 complete, 1 not).
-
-Otherwise the real client, `huggingface_hub.snapshot_download`, fetches the files still missing:
-an interrupted connection is resumed by the client itself (HTTP Range); files finished by an
-earlier, killed run are kept and not fetched again. Progress (files, bytes, rate) is printed
-every few seconds. The token, when configured, is read from standard input (`--token-stdin`:
-the deploy opens the root-owned file and hands it over; nothing this user runs can read it) or
-from a file that must be 0600 and owned by this user; it is never printed.
-
-A hostile or broken hub cannot place files outside the model's cache: the client names a blob
-after the server's ETag, so every answer for a file must carry a plain hash (hex) as its ETag and
-a 40-hex X-Repo-Commit, or the fetch stops before anything is written; the listing's paths may
-not climb out of the snapshot; and after the download every listed file must resolve inside the
-model's own cache (its `blobs/`, or the snapshot), or the step fails naming the file (and a
-`--check` never calls it complete).
+Run on the box by the deploy AS THE SERVICE USER with the vLLM venv's python (huggingface_hub is
+a vLLM dependency). Converged (check, `--check`): a manifest of an earlier complete fetch and
+every listed file in the snapshot with its size, no network. Otherwise the real client,
+`snapshot_download`, fetches what is missing (resumed, earlier files kept), printing progress.
+The token comes on stdin or from a 0600 file of this user, never printed; a hostile hub cannot
+place files outside the model's cache (refuse_unsafe_names, unsafe_listing, escaped_files).
 """
 
 from __future__ import annotations
@@ -103,6 +86,9 @@ def unsafe_listing(files) -> list[str]:
 
 
 def check(args) -> tuple[bool, str]:
+    """Converged = a manifest written by an earlier complete fetch (the file list and sizes at that
+    revision) and every listed file present in the cache's `snapshots/<revision>/` with that size,
+    inside the model's own cache: a directory listing, no network, no hashing."""
     manifest = manifest_path(args.manifest_dir, args.repo, args.revision)
     try:
         recorded = json.loads(manifest.read_text())
@@ -122,6 +108,9 @@ def check(args) -> tuple[bool, str]:
 
 
 def read_token(path: Path | None, stdin: bool = False) -> str | None:
+    """The token, when configured: from standard input (`--token-stdin`: the deploy opens the
+    root-owned file and hands it over; nothing this user runs can read it) or from a file that
+    must be 0600 and owned by this user. Never printed."""
     if stdin:
         token = sys.stdin.readline().strip()
         if not token:
@@ -233,6 +222,9 @@ def remove_orphans(folder: Path) -> None:
 
 
 def fetch(args) -> None:
+    """The files still missing, with `huggingface_hub.snapshot_download`: an interrupted
+    connection is resumed by the client itself (HTTP Range); files finished by an earlier, killed
+    run are kept and not fetched again; progress (files, bytes, rate) every few seconds."""
     token = read_token(args.token_file, args.token_stdin)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # The client's own bars redraw with carriage returns: useless in a deploy log. Ours print lines.

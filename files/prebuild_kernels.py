@@ -1,28 +1,11 @@
 """Build the FlashInfer JIT kernels a vLLM unit will need, before the unit starts, outside its
 cgroup: the engine's own first start then finds them and stays under the unit's MemoryMax.
 
-Run on the box by the deploy as the service user with the unit's environment (so the kernels land
-where the engine looks, `$HOME/.cache/flashinfer/<version>/<arch>/cached_ops/`, built with the
-same compiler and flags, which ninja compares), with the venv's python:
-
-    prebuild_kernels.py --config SNAPSHOT/config.json --dtype float16 --kv-cache-dtype fp8
-                        --arch 8.9 --gib-per-job 4 [--reserve-gib 4] [--dry-run]
-
-Which kernels (FlashInfer 0.6.14's own generators, flashinfer/aot.py's choice for one head
-size and one dtype pair, as vLLM 0.26.0's FlashInfer backend asks for them): the paged
-batch-prefill and batch-decode modules (FA2) for the model's query dtype over its KV-cache dtype,
-on sm_90 and newer also FA3's batch prefill for the dtype vLLM gives the query there (the KV
-dtype: fp8 with an fp8 cache), and the sampling module (top-k/top-p). The attention head size is
-the checkpoint's (`head_dim` of its text config, or hidden_size / num_attention_heads).
-
-Compile jobs: FlashInfer passes MAX_JOBS to ninja as -j. Here it is sized from the box: its
-MemAvailable less `--reserve-gib`, over `--gib-per-job` (measured on the lent H200: about 3.8 GiB
-a job), at least 1, at most the CPU count. The target architecture is `--arch` (the card
-profile's), so no GPU is touched: this runs while the old engine still serves.
-
-Prints one JSON line: the jobs, each module (built now / already there) and the seconds; in a
-venv without torch or FlashInfer (the testbed's stand-in engine) it says so and builds nothing.
-Exit 1 with one line on stderr when the config cannot be read or a module does not build.
+Run on the box by the deploy as the service user with the unit's environment and the venv's
+python (the kernels land where the engine looks, built with the compiler and flags ninja
+compares), for the card profile's `--arch`: no GPU is touched, the old engine may still serve.
+Prints one JSON line (the jobs, each module built or already there, the seconds); in a venv
+without torch or FlashInfer (the testbed's stand-in) it builds nothing. Exit 1 with one line.
 """
 
 from __future__ import annotations
@@ -57,6 +40,8 @@ def model_dtype(config: dict, dtype: str) -> str:
 
 
 def jobs(gib_per_job: float, reserve_gib: float, meminfo: str = "/proc/meminfo") -> int:
+    """Compile jobs (FlashInfer passes MAX_JOBS to ninja as -j): the box's MemAvailable less
+    `reserve_gib`, over `gib_per_job` (docs/benchmarks.md), at least 1, at most the CPU count."""
     fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines()
                   if ":" in line)
     available_gib = int(fields["MemAvailable"].split()[0]) / 2**20
@@ -64,7 +49,13 @@ def jobs(gib_per_job: float, reserve_gib: float, meminfo: str = "/proc/meminfo")
 
 
 def specs(head: int, q: str, kv: str, arch: str) -> list:
-    """The modules, as FlashInfer's JIT specs (imported here: torch and FlashInfer load slowly)."""
+    """The modules, as FlashInfer's JIT specs (imported here: torch and FlashInfer load slowly).
+
+    FlashInfer 0.6.14's own generators, flashinfer/aot.py's choice for one head size and one
+    dtype pair, as vLLM 0.26.0's FlashInfer backend asks for them: the paged batch-prefill and
+    batch-decode modules (FA2) for the query dtype over the KV-cache dtype, on sm_90 and newer
+    also FA3's batch prefill for the dtype vLLM gives the query there (the KV dtype: fp8 with an
+    fp8 cache), and the sampling module (top-k/top-p). `head` is the checkpoint's (head_dim)."""
     import torch
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.sampling import gen_sampling_module

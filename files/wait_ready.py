@@ -1,24 +1,10 @@
 """The readiness gate: wait until a vLLM unit's loopback port lists its checkpoint.
 
-Shipped to the box by the deploy and run there (as root: it reads the unit's journal) right after
-the unit was (re)started, with the system python3 (stdlib only):
-
-    wait_ready.py --unit vllm-qwen.service --port 18888 --model ORG/NAME --timeout SECONDS
-                  [--journal-lines N] [--interval SECONDS]
-
-Ready means `GET http://127.0.0.1:PORT/v1/models` lists MODEL (vLLM answers /health as soon as
-the process is up, long before the model is loaded), and then the model answers: the gate sends
-warm-up chat completions before the box goes back into its pools, because a cold vLLM compiles
-kernels during its first requests (Triton's, measured on the lent H200: the first requests
-waited ~97 s after the model was listed, docs/gpu.md): a short prompt, a long one (half the
-unit's --max-model-len in characters, at most 16,000), then --max-num-seqs short ones at once
-(the decode batch the unit allows); both numbers are read from the unit's ExecStart. It prints
-the elapsed time while it waits, when the model is listed and when the warm-up answered
-(exit 0). It gives up (exit 1) when the timeout passes, or at once when
-the unit has stopped or restarted since the gate began (a crash at start: Restart= would bring it
-back and the wait would only see the same crash again), or when a warm-up request is not answered
-(an engine that dies in its first request is not serving), with the unit's last journal lines, so
-the message carries the cause (an OOM, a missing nvcc, a bad flag), not just "timeout".
+Run on the box by the deploy right after the unit was (re)started, as root (it reads the unit's
+journal), with the system python3 (stdlib only). Ready: `GET /v1/models` lists the model (vLLM
+answers /health long before it is loaded) and then warm_up's requests are answered. It gives up
+(exit 1) at the timeout, at once when the unit stopped or restarted (stopped_or_restarted) or a
+warm-up request failed, with the unit's last journal lines: the cause, not just "timeout".
 """
 
 from __future__ import annotations
@@ -95,7 +81,11 @@ def complete(port: int, model: str, prompt: str, max_tokens: int, timeout: float
 
 
 def warm_up(port: int, model: str, seqs: int, max_len: int, timeout: float) -> str | None:
-    """The warm-up requests (the module's docstring); None when every one was answered."""
+    """The warm-up requests, sent before the box goes back into its pools, because a cold vLLM
+    compiles kernels during its first requests (Triton's; docs/benchmarks.md): a short prompt, a
+    long one (half the unit's --max-model-len in characters, at most 16,000), then --max-num-seqs
+    short ones at once (the decode batch the unit allows; both numbers read from the unit's
+    ExecStart). None when every one was answered."""
     long_prompt = " ".join(f"w{i}" for i in range(max(1, min(max_len // 2, 16000) // 7)))
     steps = [[("Say hello.", 8)], [(long_prompt, 8)], [("Count to ten.", 16)] * max(1, seqs)]
     deadline = time.monotonic() + timeout
@@ -110,7 +100,8 @@ def warm_up(port: int, model: str, seqs: int, max_len: int, timeout: float) -> s
 
 
 def stopped_or_restarted(start: dict[str, str], now: dict[str, str]) -> str | None:
-    """Why the unit can no longer become ready from the start the gate is waiting on."""
+    """Why the unit can no longer become ready from the start the gate is waiting on (a crash at
+    start: Restart= would bring it back and the wait would only see the same crash again)."""
     if now.get("ActiveState") in ("failed", "inactive"):
         return (f"{now.get('ActiveState')} (result {now.get('Result')}, "
                 f"exit status {now.get('ExecMainStatus')})")

@@ -1,14 +1,6 @@
 """Low-latency sockets for pyinfra's SSH connections: TCP_NODELAY from the first byte, and
-TCP_QUICKACK re-armed after every read (Linux).
-
-Neither pyinfra nor paramiko sets either, so small SSH messages wait on delayed ACKs (issue 6).
-Measured on the testbed's sshd with a bare paramiko client:
-- TCP_NODELAY: a command took 44.4 ms without it and 3.2 ms with it (issue 6's loop). Set before
-  the handshake rather than after, connecting takes 23 ms instead of 64 ms (medians of 8).
-- TCP_QUICKACK: sshd leaves Nagle on until a session starts. Right after authentication it
-  pushes its host keys (hostkeys-00@openssh.com, about 800 bytes), and its answer to our first
-  channel request then waits for our ACK of them, which Linux delays by 40 ms. With the ACK
-  sent at once, the first command of a connection takes 9 ms instead of 54 ms (medians of 8).
+TCP_QUICKACK re-armed after every read (Linux). Neither pyinfra nor paramiko sets either, so
+small SSH messages wait on delayed ACKs (figures: docs/benchmarks.md).
 
 The hook is pyinfra's own: host data `ssh_paramiko_connect_kwargs` is passed to paramiko's
 `SSHClient.connect`, whose `transport_factory` is handed the connected socket before the

@@ -1,19 +1,11 @@
 """exllamav3: the compiled wheel for this box's card stack, built at most once per stack.
 
-The first box of a stack (exllamav3 ref + patches, Python ABI, torch + CUDA variant, nvcc, arch,
-distro) builds the wheel from the pinned git ref, for this card's arch only, and the deploy copies
-it back to the wheel cache on the operator's machine (`exllamav3_wheel_cache`, git-ignored).
-Every later box of that stack gets the cached wheel uploaded and installed `--no-deps`: no
-compiler runs. sha256 is checked before the upload and on the box before pip sees the file.
-
-Only a cache builder (`cache_builder: true` in the inventory; never a volunteer's box) copies its
-wheel back, and only a builder's wheel is shipped (it is installed as root and imported by every
-engine of the stack): other boxes build their own while the cache has no builder's wheel.
-Builders of one stack deployed in the same run may each build (pyinfra runs hosts in parallel);
-the first wheel copied back is kept. Deploy one builder first (`--limit`) to build once.
-
-The build runs as root, from the operator's pinned ref in root's folders with the root-owned
-venv's pip (files/build_exllamav3.sh): nothing it imports is the service user's or a cache's.
+The first box of a stack builds the wheel from the pinned git ref, for this card's arch only, as
+root from root's folders (files/build_exllamav3.sh), and a cache builder (`cache_builder: true`,
+never a volunteer's box) copies it back to the operator's wheel cache; every later box of that
+stack gets a builder's wheel uploaded, sha256-checked on both ends, and installed `--no-deps`.
+Builders of one stack in one run may each build: deploy one first (`--limit`) to build once
+(docs/rerun.md "The exllamav3 wheel cache").
 """
 
 from pathlib import Path

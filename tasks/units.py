@@ -1,15 +1,11 @@
 """systemd: one vLLM unit per model identity this box serves, restarted only when what it runs
 changed (unit, venv distributions, plugin, exllamav3), including a restart a failed run left due.
-Units of identities no longer served go first (one model per card: a swap frees the GPU before
-the new model loads; its weights are already here, tasks/weights.py). After a (re)start, or
-whenever its model is not listed, the readiness gate waits until /v1/models on the unit's
-loopback port lists the checkpoint, or fails the box with the unit's journal.
-
-On a CUDA box each unit's engine kernels (donorkit/box/kernel_cache.py) are shipped from the
-operator's cache before the unit starts, when an earlier box of the same stack left them there,
-so this box's first start is a warm one; and once the unit is ready, what its first start built
-is copied back to the cache when the cache lacks that stack and this box is a cache builder
-(`cache_builder: true`; only a builder's kernels are shipped)."""
+Units of identities no longer served go first (one model per card: a swap frees the GPU first).
+After a (re)start, or whenever its model is not listed, the readiness gate waits until its
+loopback port lists the checkpoint, or fails the box with the unit's journal. On a CUDA box the
+stack's engine kernels (donorkit/box/kernel_cache.py) are shipped before the unit starts, and a
+cache builder's first start copies them back.
+"""
 
 from pyinfra import host
 from pyinfra.api import deploy

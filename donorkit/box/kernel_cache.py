@@ -1,46 +1,10 @@
 """The engine's kernels, built once per stack: what a first start of vLLM compiles (FlashInfer's
 JIT kernels, vLLM's torch.compile cache, Triton's and the CUDA driver's caches), kept on the
 operator's machine and shipped to every later box of the same stack before its unit starts, so
-that box's first start is a warm start.
-
-Measured on the lent H200 with the rendered qwen unit (gpu/results/h200-engine-2026-12-01-evening,
-docs/gpu.md): empty caches 558 s to ready (MAX_JOBS=4), a restart 99 s, a fresh install with
-FlashInfer's kernels shipped 130 s, with every cache below shipped 86 s.
-
-Where each part goes on the box:
-- FlashInfer's kernels (`~/.cache/flashinfer/<version>/<arch>/cached_ops/NAME/NAME.so`) go into
-  FlashInfer's own folder of precompiled kernels in the venv, `flashinfer/data/aot/NAME/NAME.so`
-  (flashinfer/jit/env.py and core.py, 0.6.14: looked at when no flashinfer-jit-cache is
-  installed; a kernel found there is loaded as it is, no ninja). Not into the home's JIT folder:
-  ninja decides by file times, and its deps log records each object's time, so copied objects are
-  rebuilt whatever times the copy gives them ("stored deps info out of date"). The venv step
-  removes that folder whenever it changes the venv: its kernels belong to the set they were built
-  with (tasks/vllm_venv.py).
-- the rest (`~/.cache/vllm`, `~/.triton/cache`, `~/.nv/ComputeCache`: their entries are keyed by
-  content hashes) into the service user's home, owned by it.
-
-A stack here is everything the kernels depend on: the rendered unit's settings (flags and
-environment), the model's checkpoint and revision, the versions of the venv's engine and
-compilers (vLLM, torch, Triton, FlashInfer...: KERNEL_DISTRIBUTIONS), nvcc's release, the card's
-arch, the distro and the CPU architecture. Cache layout on the operator's machine (the
-git-ignored `engine_kernel_cache`):
-
-    <cache>/<stack id>/kernels.tar, kernels.tar.sha256 (sha256sum output), stack.txt
-
-Entries are made as the exllamav3 wheel's are (donorkit.box.wheel_cache: each box downloads under
-its own temporary names, the sidecar is renamed in last under a lock, the first whole copy wins),
-and trusted as they are: only a cache builder (`cache_builder: true`, never a volunteer's box)
-copies its kernels back, and an entry goes to another box only while the box recorded in its
-`built-by` is a cache builder; other boxes' engines build their own on their first start. The
-kernels are code the engine loads (FlashInfer's .so, torch.compile's Python): what one box built
-runs on every box of its stack.
-
-An archive is checked on the operator's machine before it is stored and again before it is
-shipped (check_archive): regular files and folders only, under the caches above, no absolute
-path, no `..`, no setuid/setgid/sticky bit, bounded in size and count. On the box it is made
-and unpacked into the home by the service user (who can read and write only its own files
-there: no link it planted leads root anywhere), without the archive's owners or modes; into
-the venv's FlashInfer folder (root's) by root, without them either.
+that box's first start is a warm start (figures: docs/benchmarks.md). Entries are made and
+trusted as the exllamav3 wheel's are (donorkit.box.wheel_cache): only a cache builder's kernels
+are copied back and shipped; each archive is checked (check_archive) before it is stored and
+before it is shipped (docs/reference.md "Least privilege on the box").
 """
 
 from __future__ import annotations
@@ -63,6 +27,11 @@ from pyinfra_declared.decorator import fail, operation
 from pyinfra_declared.snapshot import need
 
 q = shlex.quote
+# A stack is everything the kernels depend on: the rendered unit's settings (flags and
+# environment), the model's checkpoint and revision, the versions of KERNEL_DISTRIBUTIONS,
+# nvcc's release, the card's arch, the distro and the CPU architecture. Cache layout on the
+# operator's machine (the git-ignored `engine_kernel_cache`):
+#     <cache>/<stack id>/kernels.tar, kernels.tar.sha256 (sha256sum output), stack.txt
 ARCHIVE = "kernels.tar"
 # Under the service user's home: what a first start leaves besides FlashInfer's kernels.
 HOME_CACHES = (".cache/vllm", ".triton/cache", ".nv/ComputeCache")
@@ -75,6 +44,15 @@ FLASHINFER_KERNEL = re.compile(
 ARCHIVE_MAX_BYTES = 16 << 30
 ARCHIVE_MAX_MEMBERS = 200_000
 # Relative to the venv: FlashInfer's package; its folder of precompiled kernels is data/aot.
+# FlashInfer's kernels (`~/.cache/flashinfer/<version>/<arch>/cached_ops/NAME/NAME.so`) are
+# shipped there, `data/aot/NAME/NAME.so` (flashinfer/jit/env.py and core.py, 0.6.14: looked at
+# when no flashinfer-jit-cache is installed; a kernel found there is loaded as it is, no ninja),
+# not into the home's JIT folder: ninja's deps log records each object's time, so copied objects
+# are rebuilt whatever times the copy gives them ("stored deps info out of date"). The venv step
+# removes that folder whenever it changes the venv (tasks/vllm_venv.py). The rest (HOME_CACHES,
+# keyed by content hashes) goes into the service user's home, made and unpacked by that user
+# (no link it planted leads root anywhere); the venv's part by root; neither keeps the
+# archive's owners or modes.
 FLASHINFER_PACKAGE = "lib/python3*/site-packages/flashinfer"
 FLASHINFER_AOT = f"{FLASHINFER_PACKAGE}/data/aot"
 

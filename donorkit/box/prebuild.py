@@ -1,9 +1,7 @@
 """FlashInfer's JIT kernels built before a unit's first start of a stack (files/prebuild_kernels.py
 on the box): as the service user, with the unit's own environment (the compiler, paths and flags
 ninja compares), outside the unit's cgroup and its MemoryMax, with compile jobs sized from the
-box's memory (defaults.yml kernel_prebuild_*). Measured on the lent H200 (docs/gpu.md): the four
-modules the qwen unit needs in 115 s with 16 jobs, and the engine's own first start then built
-none and peaked at 12.1 GiB, under MemoryMax=16G.
+box's memory (defaults.yml kernel_prebuild_*; figures: docs/benchmarks.md).
 
 Once per stack: a stamp records the stack the kernels were built for (donorkit/box/kernel_cache.py's
 key); a box given the stack's kernels by ship_kernels finds them there and builds nothing."""

@@ -1,33 +1,10 @@
 """The exllamav3 wheel cache: one wheel per card stack, built by the first box of that stack and
-kept on the operator's machine for every later box.
+kept on the operator's machine for every later box (docs/rerun.md "The exllamav3 wheel cache").
 
-A stack is everything that decides the compiled wheel: exllamav3's version, git ref and the patches
-applied to it (inventory data), and from the box (facts, read when the operation runs): the
-venv's Python ABI, torch's version with its CUDA variant, nvcc's release, the card's arch
-(data), the distro (glibc/libstdc++ the wheel links against) and the CPU architecture.
-
-Cache layout (on the operator's machine, under the git-ignored `exllamav3_wheel_cache`):
-
-    <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl
-    <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl.sha256
-    <cache>/exllamav3/<stack id>/stack.txt          (the stack key, for people)
-    <cache>/exllamav3/<stack id>/built-by           (the box it came from: its inventory name)
-
-Only a box the operator marks `cache_builder: true` in the inventory (never a volunteer's: the
-schema refuses it) copies a wheel back, and an entry goes to another box only while the box
-that `built-by` names (written here, on the operator's machine, never by the box) is a cache
-builder: a box reports the facts its stack is keyed by, so any box could claim any stack, and
-what one box built would run as root on the others. An entry without that record (older runs)
-or from a box that is no longer a builder is not shipped: the box builds its own, and a
-builder's copy replaces the entry. A wheel is checked here before it is stored and again before
-it is shipped (check_wheel: only exllamav3's package, its extension and its .dist-info, no
-.pth, RECORD's hashes right, bounded in size).
-
-The sidecar is `sha256sum` output; it is checked before an upload (here) and after it (on the
-box, before pip sees the file). Entries are only ever created by rename, sidecar last, under a
-lock: a partial or corrupt download never becomes an entry. Each box downloads under its own
-temporary names (download_names): boxes of one stack copying back in one run do not collide,
-and the first whole copy becomes the entry.
+Only a cache builder's wheel is copied back and shipped (`built-by`, written here, never by the
+box: a box reports the facts its stack is keyed by, so any box could claim any stack); a wheel
+is checked before it is stored and before it is shipped (check_wheel); entries are made only by
+rename, sidecar last, under a lock (docs/reference.md "Least privilege on the box").
 """
 
 from __future__ import annotations
@@ -56,6 +33,19 @@ from pyinfra_declared.batched_facts import first, sections
 class WheelCacheError(Exception):
     """A cached wheel that must not be used; the message names the file."""
 
+
+# A stack is everything that decides the compiled wheel: exllamav3's version, git ref and the
+# patches applied to it (inventory data), and from the box (facts, read when the operation runs):
+# the venv's Python ABI, torch's version with its CUDA variant, nvcc's release, the card's arch
+# (data), the distro (glibc/libstdc++ the wheel links against) and the CPU architecture.
+# Cache layout (on the operator's machine, under the git-ignored `exllamav3_wheel_cache`):
+#     <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl
+#     <cache>/exllamav3/<stack id>/exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl.sha256
+#     <cache>/exllamav3/<stack id>/stack.txt          (the stack key, for people)
+#     <cache>/exllamav3/<stack id>/built-by           (the box it came from: its inventory name)
+# The sidecar is `sha256sum` output, checked before an upload (here) and after it (on the box,
+# before pip sees the file). Each box downloads under its own temporary names (download_names):
+# boxes of one stack copying back in one run do not collide; the first whole copy is the entry.
 
 # The entry's builder: the inventory name of the box it was copied back from.
 BUILT_BY = "built-by"

@@ -1,46 +1,11 @@
 """Acceptance of donors (`make accept [LIMIT=host]`): what each box delivers, measured through its
 public hostname with the OpenAI Python client (what the network's users run), recorded, and
-compared with its card's baseline. This module measures and is the command line; what does not
-touch the network (targets, tool cases, the record, the comparison) is
-donorkit/commands/accept_records.py.
+compared with its card's baseline (docs/acceptance.md says what is measured, which way and how).
 
-Per donor and model identity it serves (the first public hostname routed to it):
-- `/v1/models` lists the checkpoint with the configured `max_model_len`; `/version`;
-- a streaming chat completion with `chat_template_kwargs: {"enable_thinking": false}` (the seed's
-  clients send it): time to first token and decode tokens/s;
-- prefill tokens/s on one long prompt; N concurrent long prompts and their wall time;
-- tool-call fidelity: the cases in TOOL_CASES through the OpenAI tools API, each checked for one
-  well-formed call of the expected function with the expected arguments.
-
-Token counts are what this client received, not what the donor says (its `usage` is the box
-owner's word): the tokens the streamed chunks delivered (their token ids, which vLLM sends with
-each chunk when asked; a chunk without them counts one), so the figures come from their arrival,
-a stream that delivers more than was asked for fails, and a donor
-claiming more completion tokens than it streamed (beyond a small slack), or more prompt tokens
-than the characters it was sent, fails the required check `usage`. Everything a donor sends is
-capped in bytes and in time per request (donorkit/commands/transport.py), and every field of it
-recorded or printed is bounded and escaped (transport.shown).
-
-Each long prompt starts with a fresh random line, so vLLM's prefix cache cannot serve it. Prompt
-sizes are in tokens of the served model's tokenizer: a probe request measures its characters per
-token first (usage.prompt_tokens), so the same workload data fits any model.
-
-Which way: a donor's Caddy answers only clients with a certificate from the operator's client CA
-(issue 15). Through an edge serving the hostname when that edge's pool for it is this donor alone
-and it has no rate limit; otherwise (several donors behind the hostname: the figures would be a
-mix; the seed's rate limit of 3 requests per second: the concurrent prompts would get 429) to the
-donor's own Caddy with the public hostname as TLS server name and Host, presenting the operator's
-client certificate (OPERATOR_CLIENT, issued under pki_dir/edges/ like an edge's). A home donor
-behind NAT (`reach: tunnel`) has its Caddy at its tunnel address, which only the edge reaches:
-there one OpenSSH local forward through that edge (its ssh_jump, with the edge's own SSH data)
-carries every request of the measurement, on the same mutual TLS. The record's `route` says
-which and why; `--via URL` forces a base URL.
-
-One JSON record per donor and run goes under the results folder; the figures are compared with
-the card's baseline with a tolerance (data: `acceptance` in inventory/defaults.yml and each card
-profile's `acceptance`); a figure worse than that, or a failed required check, makes the run exit
-non-zero naming it. A card profile may say figures are not compared and tool calls are not
-required (the testbed's CPU engine with random weights): the record then says so, with the reason.
+This module measures and is the command line; what does not touch the network (targets, tool
+cases, the record, the comparison) is donorkit/commands/accept_records.py. Everything a donor
+sends is its owner's word: token counts are what this client received, and every answer is capped
+in bytes and time and shown bounded and escaped (donorkit/commands/transport.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """`donors`: the operator's one command. Each action calls the module of donorkit/commands/ that
 does it (status, pin, accept, rollout, render_cli, join_file; pyinfra for deploy and join, pytest
-for verify).
+for verify), imported only by the action that needs it (`donors --help` stays instant).
 
-The operator's data (donors.yml, pki/, results/, the caches, join files) lives in a fleet
-directory outside the checkout, `--fleet DIR` or $DONORS_FLEET (`donors init DIR` makes one);
-without one, the example inventory/donors.yml of this checkout is used (the testbed's, old
-scripts'). The modules are imported by the action that needs them (`donors --help` stays
-instant). Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`,
-and the exit code of the table in `donors --help` (donorkit/inventory/errors.py); never a
-traceback."""
+The operator's data lives in a fleet directory outside the checkout (`--fleet DIR` or
+$DONORS_FLEET; `donors init DIR` makes one), else this checkout's example inventory/donors.yml.
+Every operator mistake is one line, `donors: <file>: <host>: field '<f>': <what>`, and an exit
+code of the table in `donors --help` (donorkit/inventory/errors.py); never a traceback.
+"""
 
 from __future__ import annotations
 

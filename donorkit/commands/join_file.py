@@ -1,18 +1,11 @@
-"""A home donor's join file (donorkit/inventory/tunnel_plan.py plans the tunnel): `make join-file`
-writes it on the operator's machine from the inventory (the edges' endpoints and public keys, the
-donor's tunnel address, the two ports the edges reach: nothing secret), signed with the operator's
-CA key (donorkit/inventory/pki.py), and prints the CA's fingerprint; `make join` reads it on the
-box, as root, and refuses it in one line unless it is what this module allows and signed by the CA
-of that fingerprint (which the owner got from the operator apart from the file). Then it prints
-the box's public keys for the operator to paste.
-
-What a join file can make the box do is narrow by construction: one WireGuard interface of our
-own (never `lo`, never a config file or interface the owner already has: tasks/tunnel.py's first
-step), its address and its peers' inside the tunnel pool (a private network: AllowedIPs are those
-addresses only, so nothing else is routed into the tunnel), two TCP ports open to the peers'
-tunnel addresses only (the box's Caddy and sshd), and the packages the owner's own checkout names
-(defaults.yml `tunnel.packages`), never a list from the file. The file is read bounded: at most
-MAX_BYTES, no YAML anchors or aliases, at most MAX_DEPTH levels of nesting.
+"""A home donor's join file: `make join-file` writes it on the operator's machine from the inventory
+(the edges' endpoints and public keys, the donor's tunnel address, the two ports the edges reach:
+nothing secret), signed with the operator's CA key, and prints the CA's fingerprint; `make join`
+reads it on the box, as root, bounded (MAX_BYTES, no YAML anchors, MAX_DEPTH), and refuses it in
+one line unless it is what this module allows and signed by the CA of that fingerprint. What it
+can make the box do is narrow: one WireGuard interface of our own, addresses inside the tunnel
+pool, two TCP ports open to the peers only, and packages the owner's own checkout names
+(docs/reference.md "A home donor's trust").
 """
 
 from __future__ import annotations

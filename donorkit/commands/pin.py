@@ -2,21 +2,10 @@
 
     .venv/bin/python -m donorkit.commands.pin [--branch main] [--all] [--donors FILE]
 
-For each model profile a donor serves (`--all`: every profile of the data), asks the Hugging
-Face hub (the profile's `hf_endpoint`, with `hf_token_file` when set) which 40-hex commit the
-branch points to (`GET /api/models/<repo>/revision/<branch>`, as huggingface_hub's
-`HfApi.model_info` asks it, with its headers and its reading of the hub's errors), and writes it as
-`revision:` into the file that defines that profile: `inventory/defaults.yml` (`models:`), or the
-donors file's `overrides:` or a donor's own `overrides:` where the checkpoint or the revision is
-set there. Prints `old -> new` for each. Nothing is written unless every lookup succeeded: a hub
-that cannot be reached, a repository or branch it does not know, is a refusal naming the
-profile and the cause (a guessed revision would be worse than none). The files keep their
-comments and layout: only the `revision:` line changes (or is added under the profile).
-
-Only what the configured hub says is pinned: a redirect is followed only to the hub's own origin
-(the hub redirects a renamed repository's API path on itself), one to anywhere else is refused;
-the answer is read within HUB_ANSWER_LIMIT bytes and `--timeout` seconds in all (a hub that
-trickles bytes is given up at the deadline), and the commit must be exactly 40 hex digits.
+Asks the Hugging Face hub (the profile's `hf_endpoint`) which 40-hex commit the branch points to
+(model_info) and writes it as `revision:` into the file that defines the profile, keeping its
+comments and layout (set_revision); prints `old -> new`. Nothing is written unless every lookup
+succeeded: a guessed revision would be worse than none.
 """
 
 from __future__ import annotations

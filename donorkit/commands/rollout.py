@@ -1,47 +1,12 @@
-"""Rolling rollout: the fleet deployed a batch at a time, each batch back in service before the
-next one starts, stopping at the first failure.
+"""Rolling rollout (`make rollout`): the fleet deployed a batch at a time, each batch back in
+service before the next one starts, stopping at the first failure, without dropping a request
+through the edges and never leaving a hostname with no box (docs/reference.md "Weights,
+readiness and rolling rollouts" says how: batches, drain, lock, resume).
 
-    make rollout [BATCH=N] [FROM=HOST] [INVENTORY=inventory/gpus.py] [PLAN=1] [UNLOCK=1]
     .venv/bin/python -m donorkit.commands.rollout [--inventory FILE] [--batch N] [--from HOST]
                                          [--plan] [--unlock] [-- extra pyinfra arguments]
 
-Each batch is one run of the real entry point, `pyinfra -y INVENTORY deploy.py --limit A
---limit B ...`: the deploy fetches weights before any unit restarts and passes each restarted
-unit through its readiness gate (/v1/models on loopback lists the checkpoint), so a box that
-does not come back fails its run with the cause. The driver then checks that each box of the
-batch serves again from outside, through its GPU-side Caddy (https://BOX, the public hostname as
-SNI and Host, verified with the private CA, presenting the client certificate of an edge that
-serves the hostname: donors answer nobody else), for every hostname it serves.
-
-Where edges exist, no request through them is dropped: before a box's run the driver takes it
-out of every edge's pool that has it (it creates the box's drain flag: the donor's Caddy then
-answers the edges' health checks 503, and only those), waits until each such edge's health
-checker has logged the box failing and the edge has no request in flight to it (its admin API,
-/reverse_proxy/upstreams), then runs the deploy, whose last step removes the flag; the next box
-starts only once each edge's health checker has logged the box up again ("host is up", in the
-edge's journal; Caddy 2.6 and 2.11 do not report active health in /reverse_proxy/upstreams).
-The edges are reached over SSH, as pyinfra reaches them (the inventory's SSH data).
-
-Batches: N boxes at a time (`--batch`, or `rollout_batch_size` in the inventory data), in
-inventory order, never two boxes that serve the same public hostname in one batch. Before a batch
-starts, every other box serving one of its hostnames must be serving now: a hostname is never
-left with no box. A hostname that only one box serves is out of service while that box restarts
-(said before it starts). At the first failure, or Ctrl-C, it prints what was done, what failed and
-the command that resumes from there: from the first box of the batch it was in, since any box of
-that batch may be out of the pools (its drain flag) and only a run of it puts it back.
-
-One rollout at a time: before it touches anything the driver takes a lock on every box of its
-plan, in inventory order (`<install_root>/state/rollout.lock`, an atomic mkdir holding who and
-since when), so a second driver, from this machine or another, is refused with one line naming
-the holder; the driver removes its locks when it ends, however it ends. A lock left by a driver
-that died (its machine lost power) is cleared with `make rollout UNLOCK=1` (`--unlock`).
-
-The plan, the edges' view of a box and the lock's commands are donorkit/commands/rollout_plan.py (no
-connection there); reaching the boxes and edges (SSH, the in-service checks, drain and wait) is
-donorkit/commands/rollout_hosts.py; this module drives them and is the command line.
-
-`--plan` (`make rollout PLAN=1`) prints the batches, which box leaves which edge's pools in which
-batch, and which hostname runs on one box meanwhile, from the inventory alone: no connection.
+The plan is donorkit/commands/rollout_plan.py, the hosts donorkit/commands/rollout_hosts.py.
 """
 
 from __future__ import annotations

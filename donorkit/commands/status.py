@@ -2,22 +2,10 @@
 
     .venv/bin/python -m donorkit.commands.status [--limit PATTERN] [--json] [--donors FILE]
 
-Every box at once (threads), each with bounded timeouts (SSH and HTTPS: `--timeout`, 10 s):
-- a donor: one SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each
-  vLLM unit's state and since when and the revision its ExecStart serves, the drain flag, the
-  venv's vLLM and torch versions and the toolkit version the deploy recorded; then, from here,
-  its Caddy is asked for each model as an edge would reach it (the public hostname as SNI and
-  Host, our CA, the operator's client certificate, which alone gets /metrics): `/v1/models`
-  (ready = the checkpoint listed), `/metrics` (vLLM's queue and KV-cache use) and the server
-  certificate's expiry;
-- an edge: one SSH command reads its admin API (requests in flight per pool member) and its
-  Caddy's health-checker log (a member whose check failed in the last interval is down).
-Everything a box says is the box owner's: each answer is capped in bytes and in wall time (the
-whole exchange, donorkit/commands/transport.py), every field shown or put in the JSON is bounded and
-escaped (transport.shown), and a box whose probe outlives the run's deadline is reported as
-timed out and left behind. An unreachable box is one line with the cause. Exit 1 when a box
-is unreachable or a model is not ready; 2 for a bad inventory or limit. The table is
-donorkit/commands/status_view.py.
+Every box at once (threads), each with bounded timeouts (`--timeout`, 10 s): a donor over SSH and
+through its Caddy as an edge reaches it (probe_donor), an edge over SSH (probe_edge). What a box
+says is its owner's: capped in bytes and wall time, shown bounded and escaped (transport.shown).
+Exit 1 when a box is unreachable or a model is not ready; 2 for a bad inventory or limit.
 """
 
 from __future__ import annotations
@@ -212,6 +200,13 @@ def connect(data: DonorBox | EdgeBox, timeout: float, row: dict) -> SshRunner | 
 
 
 def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
+    """One SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each vLLM
+    unit's state and since when and the revision its ExecStart serves, the drain flag, the venv's
+    vLLM and torch versions and the toolkit version the deploy recorded; then its Caddy is asked
+    for each model as an edge would reach it (the public hostname as SNI and Host, our CA, the
+    operator's client certificate, which alone gets /metrics): `/v1/models` (ready = the
+    checkpoint listed), `/metrics` (vLLM's queue and KV-cache use) and the server certificate's
+    expiry. An unreachable box is one row with the cause."""
     row: dict = {"name": name, "role": "donor", "address": where(data),
                  "card_profile": data.card.name}
     remote = connect(data, timeout, row)
@@ -266,6 +261,8 @@ def edge_command(data: EdgeBox, window: float) -> str:
 
 
 def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
+    """One SSH command reads the edge's admin API (requests in flight per pool member) and its
+    Caddy's health-checker log (a member whose check failed in the last interval is down)."""
     row: dict = {"name": name, "role": "edge", "address": where(data)}
     proxy = data.edge_proxy
     # Caddy logs a failing member at every check and says nothing while it is healthy: a

@@ -1,25 +1,11 @@
-"""How this machine (the operator's) talks to boxes and edges, one way each:
+"""How this machine (the operator's) talks to boxes and edges, one way each: HTTPS with a public
+hostname as SNI and Host, our CA and a client certificate (`https_get`, `PinnedHTTPS`,
+`client_context`); commands over SSH with the inventory's SSH data (`SshRunner`); a home donor's
+Caddy on a local port through its edge (`SshForward`); polling to a deadline (`wait_until`).
 
-- `https_get` / `PinnedHTTPS`: HTTPS to an address with a public hostname as SNI and Host (a
-  donor's Caddy picks its site by both, as the edge asks it), verified against our CA, with a
-  client certificate where given (donors answer only a client certificate of our CA);
-- `client_context`: the TLS context of that client (also what `make accept`'s OpenAI client
-  gets);
-- `SshRunner`: commands on a host over SSH with the inventory's SSH data (its key, port and
-  known_hosts file: an unknown or changed host key is refused; sudo for a user not root);
-- `SshForward`: a home donor's Caddy on a loopback port here for as long as a `with` lasts (one
-  OpenSSH local forward through its edge: `make accept`'s many requests pay no SSH handshake
-  each, where `PinnedHTTPS(proxy=...)` starts one `ssh -W` per connection);
-- `wait_until`: poll a check until it passes or a deadline passes, saying why it did not.
-
-What a box sends back is the box owner's (a home donor's owner is root on it): every read here is
-capped in bytes (ANSWER_LIMIT, AnswerTooLarge) and in wall time for the whole exchange
-(`Deadline`: a box that trickles bytes is cut off when the time is up, not when one read
-waits too long), and every field of it that is printed or recorded goes through `shown`
-(bounded, control and bidi characters escaped).
-
-Paths on this machine (the CA, the client pairs) come from donorkit.inventory.paths' one resolver;
-Caddy's durations from donorkit.inventory.values.duration_ns.
+What a box sends back is the box owner's: every read is capped in bytes (ANSWER_LIMIT) and in
+wall time for the whole exchange (`Deadline`), and every field printed or recorded goes through
+`shown` (bounded, control and bidi characters escaped).
 """
 
 from __future__ import annotations

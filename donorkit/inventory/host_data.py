@@ -1,23 +1,12 @@
 """A host's data as types: what the loader (donorkit.inventory.fleet) hands pyinfra for each donor
-(`DonorBox`) and each edge (`EdgeBox`), every key a field. pyinfra gets the fields as they are
-(`pyinfra_data`: `host.data.install_root`, `host.data.card.engine`, `host.data.models["qwen"].port`
-in tasks/); the rendering, the rollout, `make accept`, `make status` and the verification suite
-read the same models (`load_inventory` returns them), never a key no model names.
-
-The settings of defaults.yml a donor carries are `schema.Settings`' fields (merged with the
-donors file's overrides, validated there); the rest is derived once, in donorkit.inventory.fleet:
-the card profile with its name, the served models with their units, the CUDA paths, the venv's
-install. An edge carries the few settings its Caddy needs and one site per public hostname. A home
-donor behind NAT (`reach: tunnel`) and the edges that are its hubs also carry their tunnel
-(`DonorTunnel`, `EdgeTunnel`: donorkit.inventory.tunnel_plan.plan makes them) and, on the donor,
-how this machine reaches it through an edge (`ssh_proxy_command`, `caddy_proxy_command`,
-`ssh_jump_data`).
-
-The loader makes these from data it has validated (defaults.yml and the donors file, as
-`schema.Defaults`, `Donor`, `Edge`) with `model_construct`: not validated a second time, and
-their validators are built only if something validates one (pydantic's `defer_build`), not on
-every run of the deploy. tests/unit/test_fleet.py validates every box the shipped and testbed
-inventories give against its model, so the types said here are the types the loader makes."""
+(`DonorBox`) and each edge (`EdgeBox`), every key a field; the deploy's tasks, the rendering, the
+rollout, `make accept`, `make status` and the verification suite read the same models, never a
+key no model names. A donor carries `schema.Settings`' fields plus what the loader derives once
+(its card profile, served models and units, CUDA paths, the venv's install, its tunnel); an edge
+the few settings its Caddy needs and one site per public hostname. Made with `model_construct`
+from data already validated (validators built only when used: pydantic's `defer_build`);
+tests/unit/test_fleet.py validates every box of the shipped and testbed inventories against them.
+"""
 
 from __future__ import annotations
 

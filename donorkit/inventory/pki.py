@@ -1,20 +1,10 @@
-"""The private CAs on the operator's machine: server certificates for donor boxes, client
-certificates for edges.
-
-- `ca.crt`/`ca.key`: issues each donor's server certificate (and an edge's public one where
-  edge_public_tls is private_ca); the edge verifies donors against `ca.crt`.
-- `client-ca.crt`/`client-ca.key`: issues one client certificate per edge (and the operator's
-  own, OPERATOR_CLIENT). A donor's Caddy accepts a client certificate only when this CA issued
-  it AND it is one of the leaf certificates the deploy gave it: the current edges' and the
-  operator's (render.trusted_client_files). An edge deleted from the inventory loses access at
-  the donors' next deploy, though its certificate is still valid: no revocation list needed.
-  A CA of its own, not the server CA, because donor boxes are donated machines: each holds a
-  server key from `ca.key`, and with one CA the donors' client-auth trust would rest on Caddy
-  checking the extended key usage of every certificate the server CA ever issued. With two, no
-  certificate a donor holds can open another donor, and either CA can be replaced without
-  touching the other's certificates.
-The CA keys never leave this machine; every key is written 0600 here and goes only to its own
-host.
+"""The private CAs on the operator's machine: `ca.crt`/`ca.key` issues each donor's server
+certificate (and an edge's public one where edge_public_tls is private_ca); `client-ca.crt`/
+`client-ca.key` issues one client certificate per edge and the operator's own (OPERATOR_CLIENT).
+A donor accepts only the current edges' and the operator's leaves of the client CA
+(render.trusted_client_files): a deleted edge loses access at the donors' next deploy. Two CAs,
+so no certificate a donated box holds can open another donor (docs/reference.md "The data
+files"). The CA keys never leave this machine; every key is written 0600 and goes only to its host.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The inventory's schema: every key of defaults.yml, of a donor entry and of `overrides`, with its
 type, shape and range, in one place. Read this file as the reference of what the data may say.
 
-Validated with pydantic v2 (already installed as a dependency of pyinfra; pinned in
-pyproject.toml): strict types (`"30"` is not an int, `Api-Key` is not a list), unknown keys
-refused, and each error located by a path (`models.qwen.port`) that donorkit.inventory.fleet turns
-into one line naming the file, the donor and the field.
-
-How the pieces fit (donorkit.inventory.fleet does the loading):
-- `Defaults` is defaults.yml. A donors file is `Inventory`: `donors:` (one `Donor` per box) and
-  an optional file-wide `overrides:`.
-- A donor's effective settings = defaults.yml, deep-merged with the file's `overrides:`, then with
-  the donor's own `overrides:` (mappings merge key by key at every depth, so
-  `overrides: {models: {qwen: {port: 18887}}}` changes one field of one profile; lists and scalars
-  replace; `vllm_exl3_plugin` is replaced whole, it is one of two shapes). The merged result is
-  validated again as a `Defaults`, then the donor's cross-checks run (`check_box`).
-- An edge (`edges:`, `Edge`) is the front door: its own SSH settings, the public hostnames it
-  serves (a list, or `all`: every hostname some donor routes), its Caddy source and its rate
-  limit (`RateLimit`, or null: none). Its settings are defaults.yml merged with the file's and its
-  own `overrides:` as for a donor; its upstreams are worked out from the donors' routes
-  (donorkit.inventory.fleet), so adding or removing a donor changes the pools on the next run.
+Validated with pydantic v2 (pinned in pyproject.toml): strict types, unknown keys refused, each
+error located by a path (`models.qwen.port`) that donorkit.inventory.fleet turns into one line
+naming the file, the donor and the field. A box's effective settings are defaults.yml deep-merged
+with the donors file's `overrides:`, then its own, validated again as a `Defaults`
+(docs/reference.md "The data files"); donorkit.inventory.fleet does the loading.
 """
 
 from typing import Annotated, Any, Literal
@@ -339,7 +326,13 @@ class Donor(Strict):
 
 
 class Edge(Strict):
-    """One entry of donors.yml `edges:`: a front door that proxies public hostnames to donors."""
+    """One entry of donors.yml `edges:`: a front door that proxies public hostnames to donors.
+
+    Its own SSH settings, the public hostnames it serves (a list, or `all`: every hostname some
+    donor routes), its Caddy source and its rate limit (`RateLimit`, or null: none). Its settings
+    are defaults.yml merged with the file's and its own `overrides:` as for a donor; its upstreams
+    are worked out from the donors' routes (donorkit.inventory.fleet), so adding or removing a
+    donor changes the pools on the next run."""
 
     ssh_host: SshHost
     ssh_user: UserName

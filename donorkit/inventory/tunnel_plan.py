@@ -1,23 +1,10 @@
 """Home donors behind NAT: WireGuard between a donor (`reach: tunnel`) and the edges serving its
-hostnames, each edge the hub of its tunnelled donors. What this module decides, from the
-inventory alone (no host is asked):
-
-- each tunnelled donor's and each hub edge's tunnel address: `tunnel_address` on its entry, or
-  one derived from its name (a hash into defaults.yml `tunnel.pool`), the same every run; all of
-  them inside the pool, none the pool's network or broadcast address, no two alike;
-- which edges a donor dials (those serving one of its hostnames) and which donors each edge
-  carries (those of its hostnames whose `tunnel_public_key` the operator has pasted: a donor that
-  never joined is no peer; the edge's pool still lists it, down);
-- how the operator's machine reaches a tunnelled donor: SSH to its tunnel address through the
-  edge (OpenSSH's `-W`, a ProxyCommand for pyinfra, `make verify`, `make status` and the
-  rollout), and its Caddy through the edge (`-W` per request for status and the rollout; a
-  local forward, `-L`, for the whole of `make accept`'s measurement);
-- what the join file the operator hands the donor's owner holds (donorkit/commands/join_file.py
-  writes and reads it).
-
-The files a box gets (its WireGuard config, its nftables table) and the operator's ssh_config
-are donorkit/render/tunnel_files.py's. Key pairs are made on each box (`wg genkey`,
-tasks/tunnel.py); the private key never leaves it.
+hostnames, each edge the hub of its tunnelled donors. Decided from the inventory alone (no host
+is asked): each box's tunnel address (its entry's, or derived from its name: a hash into
+`tunnel.pool`, the same every run, none alike), which edges a donor dials and which donors each
+edge carries (those whose `tunnel_public_key` was pasted), how this machine reaches a donor
+through its edge (SSH `-W`, a local forward for `make accept`), and what its join file holds.
+Files a box gets: donorkit/render/tunnel_files.py; key pairs are made on each box (tasks/tunnel.py).
 """
 
 from __future__ import annotations
