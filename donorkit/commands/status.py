@@ -198,6 +198,21 @@ def connect(data: DonorBox | EdgeBox, timeout: float, row: dict) -> SshRunner | 
         row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
         return None
 
+def run_on(data: DonorBox | EdgeBox, command: str, timeout: float,
+           row: dict) -> tuple[int, str] | None:
+    """`command`'s exit status and output on the box over SSH, or None with the row's
+    `unreachable` said in one line (no connection, too long an answer, none in time)."""
+    remote = connect(data, timeout, row)
+    if remote is None:
+        return None
+    try:
+        return remote.run(command, timeout=timeout)
+    except OSError as exc:  # too long an answer, or none in time
+        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
+        return None
+    finally:
+        remote.close()
+
 
 def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
     """One SSH command reads the card, driver, GPU memory and utilisation (nvidia-smi), each vLLM
@@ -209,16 +224,10 @@ def probe_donor(name: str, data: DonorBox, timeout: float) -> dict:
     expiry. An unreachable box is one row with the cause."""
     row: dict = {"name": name, "role": "donor", "address": where(data),
                  "card_profile": data.card.name}
-    remote = connect(data, timeout, row)
-    if remote is None:
+    answer = run_on(data, donor_command(data), timeout, row)
+    if answer is None:
         return row
-    try:
-        rc, out = remote.run(donor_command(data), timeout=timeout)
-    except OSError as exc:  # too long an answer, or none in time
-        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
-        return row
-    finally:
-        remote.close()
+    rc, out = answer
     found = sections(out)
     try:
         uptime = float((found.get("uptime") or ["x"])[0])
@@ -269,17 +278,10 @@ def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
     # failure within one interval + timeout (plus a margin) is "down".
     window = duration_seconds(proxy.health_interval) + duration_seconds(
         proxy.health_timeout) + 2
-    remote = connect(data, timeout, row)
-    if remote is None:
+    answer = run_on(data, edge_command(data, window), timeout, row)
+    if answer is None:
         return row
-    try:
-        _, out = remote.run(edge_command(data, window), timeout=timeout)
-    except OSError as exc:  # too long an answer, or none in time
-        row["unreachable"] = shown(f"{type(exc).__name__}: {exc}", LINE)
-        return row
-    finally:
-        remote.close()
-    found = sections(out)
+    found = sections(answer[1])
     row["caddy"] = shown((found.get("caddy") or ["?"])[0], FIELD)
     row["toolkit"] = shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None
     upstreams_json = "\n".join(found.get("upstreams", [])).strip()
