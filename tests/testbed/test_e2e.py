@@ -1012,7 +1012,9 @@ def test_rollout_stops_at_a_box_that_fails_at_start(hosts: dict[str, Host],
     """A rollout whose change makes tb-4090b's vLLM refuse a flag: tb-4090 is done, tb-4090b
     fails with the stand-in's refusal from the journal, the driver prints the resume command;
     a rollout that would then take tb-4090 down while tb-4090b is not serving refuses."""
-    bad_args = ["--max-num-seqs", "12", "--kv-cache-dtype", "fp9", "--dtype", "float16"]
+    # The qwen profile's args with one bad value (the rest as the schema wants a hybrid's).
+    bad_args = ["--max-num-seqs", "12", "--kv-cache-dtype", "fp9", "--dtype", "float16",
+                "--enable-prefix-caching", "--mamba-cache-mode", "align", "--block-size", "1600"]
     hub("reset", {})
     variant = donors_variant(tmp_path, [GOOD, SECOND],
                              {"environment": {"VLLM_STANDIN_LOAD_DELAY": str(LOAD_DELAY + 1)}})
