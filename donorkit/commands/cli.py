@@ -1,6 +1,6 @@
 """`donors`: the operator's one command. Each action calls the module of donorkit/commands/ that
-does it (status, pin, accept, rollout, render_cli, join_file; pyinfra for deploy and join, pytest
-for verify), imported only by the action that needs it (`donors --help` stays instant).
+does it (status, pin, accept, reference, rollout, render_cli, join_file; pyinfra for deploy and
+join, pytest for verify), imported only by the action that needs it (`donors --help` stays instant).
 
 The operator's data lives in a fleet directory outside the checkout (`--fleet DIR` or
 $DONORS_FLEET; `donors init DIR` makes one), else this checkout's example inventory/donors.yml.
@@ -160,6 +160,15 @@ def cmd_accept(args: argparse.Namespace) -> int:
                         *([f"--results={args.results}"] if args.results else [])])
 
 
+def cmd_reference(args: argparse.Namespace) -> int:
+    from donorkit.commands import reference
+
+    donors = _inventory(args.limit)[0]
+    if not donors:
+        raise Usage(f"--limit {','.join(args.limit)}: selects no donor")
+    return reference.run(donors, bool(args.limit), args.timeout)
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from donorkit.commands import rollout
 
@@ -255,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--via", metavar="URL", help="through this base URL (an edge)")
     p.add_argument("--results", metavar="DIR",
                    help="where records go (default: acceptance.results_dir)")
+    p = action("reference", "record the canaries' reference on the trusted builders",
+               cmd_reference)
+    _limit(p, "donors (trusted builders only)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds for each canary request (60)")
     p = action("rollout", "the fleet a batch at a time, each in service before the next",
                cmd_rollout)
     p.add_argument("--batch", type=int, help="boxes at a time (default: inventory data)")

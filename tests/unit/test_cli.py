@@ -21,7 +21,7 @@ from tests.unit import test_lock
 from tests.unit.make import make
 
 DONORS = Path(sys.executable).parent / "donors"
-ACTIONS = ["init", "deploy", "render", "status", "pin", "verify", "accept", "rollout",
+ACTIONS = ["init", "deploy", "render", "status", "pin", "verify", "accept", "reference", "rollout",
            "join-file", "join"]
 # The hub stand-in (tests/testbed/hub_standin.py), test_lock's fixtures.
 hub_root, hub, QWEN = test_lock.hub_root, test_lock.hub, test_lock.QWEN
