@@ -9,6 +9,7 @@ from pyinfra.api import deploy
 from donorkit.inventory.host_data import this_box
 from donorkit.render.canary_files import CANARY_DROP_IN, CANARY_SERVICE, CANARY_TIMER, render_canary
 from donorkit.render.templates import UNIT_DIR, VERIFY_UNIT
+from pyinfra_declared.apt import apt_install
 from pyinfra_declared.files import ConfigFile, config_files
 from pyinfra_declared.services import reloaded_service, service_running_its_files
 
@@ -19,6 +20,9 @@ def apply() -> None:
     drop_in_marker = f"{install_root}/state/caddy.canary-pending"
     units = (f"{UNIT_DIR}/{CANARY_SERVICE}", f"{UNIT_DIR}/{CANARY_TIMER}")
     files = render_canary(this_box(host))
+    # The runner is the system's Python, standard library only (`python3 -I -S`).
+    apt_install(name="Install Python (the canary runner's)", packages=["python3"],
+                lock_wait=host.data.apt_lock_wait)
     config_files(
         name="Install the canary runner, its config, service, timer and Caddy's drop-in",
         files=[ConfigFile(content=f.content, dest=f.path, mode=f.mode, user=f.user,
