@@ -130,14 +130,29 @@ def tls_context(config: dict) -> ssl.SSLContext:
 
 def post_completion(address: str, hostname: str, body: bytes, context: ssl.SSLContext,
                     timeout: float) -> tuple[int, bytes]:
-    """(status, body up to the answer limit + 1 byte): parse_answer refuses a longer one."""
+    """(status, body up to the answer limit + 1 byte: parse_answer refuses a longer one), the
+    whole exchange within `timeout` seconds (a donor dripping its answer byte by byte gets
+    TimeoutError, not a round held for hours)."""
+    deadline = time.monotonic() + timeout
     connection = MemberHTTPS(address, hostname, context, timeout)
     try:
         connection.request("POST", "/v1/completions", body=body, headers={
             "Content-Type": "application/json", "Accept": "application/json",
             "User-Agent": USER_AGENT})
+        sock = connection.sock  # the response keeps reading it after the connection lets go
         response = connection.getresponse()
-        return response.status, response.read(canary.ANSWER_LIMIT + 1)
+        chunks, size = [], 0
+        while size <= canary.ANSWER_LIMIT:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no whole answer within {timeout:g} s")
+            sock.settimeout(left)
+            chunk = response.read1(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return response.status, b"".join(chunks)
     finally:
         connection.close()
 

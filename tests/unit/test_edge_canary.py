@@ -391,7 +391,29 @@ def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
             answer_as.write_text("other/checkpoint\n")     # B now serves another model
             state = edge_canary.run_round(config)
             assert state["members"][f"{edge_failover.HOSTNAME} B"]["verdict"] == "in"
+            # Slow requests in flight on both donors while B is taken out: all answered.
+            import http.client
+
+            from donorkit.commands.transport import https_get
+
+            slow: list = []
+
+            def slow_one(n: int) -> None:
+                try:
+                    slow.append(https_get("127.0.0.1", edge_failover.EDGE_PORT,
+                                          edge_failover.HOSTNAME, "/v1/models", bench.ca,
+                                          timeout=30, headers={"X-Standin-Delay": "2"})[0])
+                except (OSError, http.client.HTTPException) as exc:
+                    slow.append(repr(exc))
+
+            slow_threads = [threading.Thread(target=slow_one, args=(n,)) for n in range(4)]
+            for t in slow_threads:
+                t.start()
+            time.sleep(0.5)
             state = edge_canary.run_round(config)        # fail_after: 2
+            for t in slow_threads:
+                t.join()
+            assert slow == [200] * 4, slow
             b = state["members"][f"{edge_failover.HOSTNAME} B"]
             assert b["verdict"] == "out", b
             assert "expected" in b["last_failure"]["evidence"]["first_difference"]
