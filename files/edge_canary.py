@@ -362,6 +362,9 @@ def admin_load(socket_path: str, body: bytes, wait: float = 30) -> None:
             connection.putrequest("POST", "/load", skip_host=True)
             connection.putheader("Host", "")
             connection.putheader("Content-Type", "application/json")
+            # As `caddy reload --force` (the distro unit's reload): loaded even when the JSON is
+            # unchanged, so renewed certificate files behind the same paths are read again.
+            connection.putheader("Cache-Control", "must-revalidate")
             connection.putheader("Content-Length", str(len(body)))
             connection.endheaders(body)
             response = connection.getresponse()

@@ -327,7 +327,7 @@ def test_a_broken_reference_file_is_one_line(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ end to end, loopback ----
 @pytest.mark.skipif(not Path(DISTRO_CADDY).exists(), reason="the distro's caddy (2.6.2)")
 def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from bench import edge_failover
     from donorkit.commands import reference
     from donorkit.commands.transport import free_port
@@ -441,5 +441,26 @@ def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
         assert [n for n in on_b if sent[n] < out_at - 1], "B got no request before"
         print(f"{len(results)} requests through the edge, 0 failed; B out for "
               f"{back_at - out_at:.1f} s")
+
+        # B's engine now names another model: out at the next round, and `donors reference`
+        # refuses it in one line, writing nothing.
+        bench.stop("modelB")
+        env_b = ["env", "VLLM_STANDIN_MODEL_ID=other/model"]
+        bench.start("modelB", [*env_b, *bench.model(1)])
+        edge_failover_wait = time.monotonic() + 20
+        while True:
+            state = edge_canary.run_round(config)
+            b = state["members"][f"{edge_failover.HOSTNAME} B"]
+            if b["last_result"] != "no_answer" or time.monotonic() > edge_failover_wait:
+                break
+            time.sleep(0.5)
+        assert b["verdict"] == "out" and b["last_failure"]["result"] == "mismatch", b
+        before = path.read_text()
+        b_box = a.model_copy(update=dict(caddy_https_port=ports[1]))
+        capsys.readouterr()
+        assert reference.run({"tb-4090b": b_box}, limited=True, timeout=30) == 1
+        said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(said) == 1 and "the answer names model 'other/model'" in said[0], said
+        assert path.read_text() == before
     finally:
         bench.down()
