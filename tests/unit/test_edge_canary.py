@@ -34,7 +34,18 @@ from donorkit.render.canary_files import (
     render_canary,
 )
 from donorkit.render.templates import render_edge
-from tests.unit.test_edge import FLEET, handlers, in_tmp, lay_out, load, run_caddy, sites
+from tests.unit.test_edge import (
+    CADDIES,
+    CADDY_IDS,
+    FLEET,
+    caddy_or_skip,
+    handlers,
+    in_tmp,
+    lay_out,
+    load,
+    run_caddy,
+    sites,
+)
 
 DISTRO_CADDY = "/usr/bin/caddy"
 TESTBED = REPO_ROOT / "tests/testbed/donors.yml"
@@ -186,15 +197,61 @@ def test_check_member_against_the_standin(tmp_path: Path) -> None:
             proc.wait()
 
 
+def test_a_dripping_donor_is_cut_at_the_timeout(tmp_path: Path) -> None:
+    """A donor that answers one byte at a time: post_completion gives up at `timeout` for the
+    whole exchange (a round cannot be held for hours by a donor slow on purpose)."""
+    import socket
+    import ssl
+
+    from donorkit.inventory.pki import Pki
+
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.server_cert("drip", ["h.example"])
+    (tmp_path / "s.crt").write_text(cert)
+    (tmp_path / "s.key").write_text(key)
+    (tmp_path / "ca.crt").write_text(pki.ca_pem())
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tmp_path / "s.crt", tmp_path / "s.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            tls.recv(65536)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            while not stop.is_set():
+                try:
+                    tls.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            edge_canary.post_completion(f"127.0.0.1:{port}", "h.example", b"{}", context, 2)
+        assert time.monotonic() - started < 4
+    finally:
+        stop.set()
+        listener.close()
+
+
 # ------------------------------------------------------------------ Caddy's config ----------
-def test_the_filter_on_real_caddy_adapt_output(tmp_path: Path) -> None:
-    """The rendered edge Caddyfile adapted by Caddy 2.6.2: one out member leaves only its own
-    site's pool, the rest as it was; every member of a site out: that site answers 502; the
-    filtered JSON is a config Caddy validates."""
+@pytest.mark.parametrize("binary", CADDIES, ids=CADDY_IDS)
+def test_the_filter_on_real_caddy_adapt_output(tmp_path: Path, binary: str) -> None:
+    """The rendered edge Caddyfile adapted by Caddy (the distro's 2.6.2; 2.11.7): one out
+    member leaves only its own site's pool, the rest as it was; every member of a site out:
+    that site answers 502; the filtered JSON is a config Caddy validates."""
     _, edges = load(tmp_path, FLEET)
     edge = in_tmp(edges["front"], tmp_path)
     caddyfile = lay_out(render_edge(edge), tmp_path)
-    adapted = run_caddy(DISTRO_CADDY, "adapt", caddyfile)
+    binary = caddy_or_skip(binary)
+    adapted = run_caddy(binary, "adapt", caddyfile)
     assert adapted.returncode == 0, adapted.stderr
     config = json.loads(adapted.stdout)
     filtered = edge_canary.filtered_config(json.loads(adapted.stdout),
@@ -216,7 +273,7 @@ def test_the_filter_on_real_caddy_adapt_output(tmp_path: Path) -> None:
     for name, conf in (("one-out", filtered), ("all-out", none_left)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(conf))
-        result = subprocess.run([DISTRO_CADDY, "validate", "--config", str(path)],
+        result = subprocess.run([binary, "validate", "--config", str(path)],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
 
