@@ -216,8 +216,32 @@ def test_a_wrong_donor_is_out_within_the_stated_time_and_back_with_no_failed_req
               f"the edge, {len(loop.failed())} failed, {len(while_out)} reached it while out, "
               f"{len(after)} after it came back")
         print(journal)
+        test_e2e.TIMES["canary: wrong donor out"] = took_out
+        test_e2e.TIMES["canary: fixed donor back"] = took_back
         assert loop.failed() == [], loop.failed()
         assert while_out == [], while_out
         assert after, f"{SECOND} got no client request after it came back"
     finally:
         ssh(second, f"rm -f {ANSWER_AS}", check=False)
+
+
+def test_a_restarted_edge_caddy_keeps_an_out_donor_out(hosts: dict[str, Host]) -> None:
+    """caddy.service's drop-in applies the filter after a start too (ExecStartPost): a restart
+    of the edge's Caddy while tb-4090b is out sends it no client request."""
+    wait_for(hosts, {GOOD: "in", SECOND: "in"}, 3 * (INTERVAL + ROUND) + 10)
+    second, edge = hosts[SECOND], hosts[EDGE]
+    tag = f"restart{random.randrange(10**6)}"
+    try:
+        ssh(second, f"mkdir -p {Path(ANSWER_AS).parent} && echo other/checkpoint-7B "
+                    f"> {ANSWER_AS}")
+        wait_for(hosts, {GOOD: "in", SECOND: "out"}, OUT_WITHIN)
+        ssh(edge, "systemctl restart caddy")
+        time.sleep(2)
+        statuses = [https_get(edge.ip, 443, HOSTNAME, "/v1/models", PKI / "ca.crt", timeout=30,
+                              headers={"X-Loop": f"{tag}-{n}"})[0] for n in range(20)]
+        assert statuses == [200] * 20, statuses
+        assert loop_seqs(second, tag) == {}, "an out donor got requests after a restart"
+        assert len(loop_seqs(hosts[GOOD], tag)) == 20
+    finally:
+        ssh(second, f"rm -f {ANSWER_AS}", check=False)
+    wait_for(hosts, {GOOD: "in", SECOND: "in"}, BACK_WITHIN)
