@@ -231,12 +231,13 @@ def update(member: dict, outcome: dict, config: dict, now: float) -> str | None:
         member["last_failure"] = {"at": now, "result": result, "why": outcome["why"],
                                   **({"evidence": outcome["evidence"]}
                                      if outcome.get("evidence") else {})}
+    judged = "unjudged" if member.get("reference") is None else "in"
     if result == "mismatch" or (result == "fail" and member["fails"] >= config["fail_after"]):
         after = "out"
     elif before == "out":
-        after = "in" if member["passes"] >= config["pass_after"] else "out"
+        after = judged if member["passes"] >= config["pass_after"] else "out"
     else:
-        after = "unjudged" if member.get("reference") is None else "in"
+        after = judged
     member["verdict"] = after
     if after == before:
         return None

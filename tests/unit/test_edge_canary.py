@@ -103,6 +103,11 @@ def test_a_wrong_model_id_is_out_at_once_even_unjudged() -> None:
         m = member(reference)
         line = edge_canary.update(m, outcome("mismatch", "answered as model 'x/y'"), KNOBS, 1)
         assert m["verdict"] == "out" and "answered as model 'x/y'" in line
+        # Back after pass_after good rounds: in, or unjudged again without a reference.
+        for now in range(2, 2 + KNOBS["pass_after"]):
+            line = edge_canary.update(m, outcome("pass" if reference else "unjudged"), KNOBS,
+                                      now)
+        assert m["verdict"] == ("in" if reference else "unjudged") and "BACK IN" in line
 
 
 def test_unjudged_stays_in_and_no_answer_counts_neither_way() -> None:
