@@ -21,8 +21,9 @@ Verdicts: `in` (passing, or not yet failed `fail_after` times in a row), `out` (
 `fail_after` canaries in a row, or answered with a model id other than its route's checkpoint:
 out at once; back `in` after `pass_after` passes in a row), `unjudged` (no reference for its
 checkpoint and revision: it stays in; a wrong model id still takes it out). No answer at all
-(refused, timed out, an HTTP error) counts neither way: the health check handles a donor that is
-down, and an honest donor restarting must not leave its pool for it.
+(refused, timed out, 502/503/504 from its Caddy: its model is down) counts neither way: the
+health check handles a donor that is down, and an honest donor restarting must not leave its
+pool for it. Any other HTTP status is a failed canary.
 
 A site whose every member is out answers 502 at the edge (no upstream): a wrong answer is worse
 than none. Said loudly in the journal at each round while it lasts.
@@ -53,6 +54,9 @@ STATE_VERSION = 1
 CONFIG_LIMIT = 4 << 20
 # What an ordinary client of the network sends; the canary looks like one (no marker header).
 USER_AGENT = "OpenAI/Python 1.59.7"
+# The donor's Caddy when its model is down or restarting: no answer, counted neither way (the
+# health check takes such a donor out). Any other status but 200 is a failed canary.
+GATEWAY_DOWN = (502, 503, 504)
 ADAPT_TIMEOUT = 60
 ADMIN_TIMEOUT = 60
 
@@ -183,8 +187,10 @@ def check_member(config: dict, site: dict, upstream: dict, context: ssl.SSLConte
                                config["timeout"])
         except (OSError, http.client.HTTPException, ValueError) as exc:
             return {"result": "no_answer", "why": f"{type(exc).__name__}: {exc}"[:200]}
+        if status in GATEWAY_DOWN:
+            return {"result": "no_answer", "why": f"HTTP {status} (its model is not up)"}
         if status != 200:
-            return {"result": "no_answer", "why": f"HTTP {status}"}
+            return {"result": "fail", "why": f"HTTP {status} to a completion"}
         try:
             answer = canary.parse_answer(raw, max_tokens)
         except canary.BadAnswer as exc:

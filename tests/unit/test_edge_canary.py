@@ -196,6 +196,10 @@ def test_check_member_against_the_standin(tmp_path: Path) -> None:
         assert got["result"] == "mismatch" and "'other/model'" in got["why"], got
         got = edge_canary.check_member(config, site, upstream, None, plain_post(free_port()))
         assert got["result"] == "no_answer", got
+        # A donor that does not serve the route's checkpoint at all: vLLM's 404 is a failure.
+        got = edge_canary.check_member(config, {**site, "checkpoint": "org/else"}, upstream,
+                                       None, plain_post(ports[0]))
+        assert got == {"result": "fail", "why": "HTTP 404 to a completion"}, got
     finally:
         for proc in procs:
             proc.kill()
