@@ -530,3 +530,26 @@ def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
         assert path.read_text() == before
     finally:
         bench.down()
+
+
+def test_every_donor_of_a_site_out_is_said_loudly(tmp_path: Path, capsys) -> None:
+    """Both members answer as another model (the stand-in's VLLM_STANDIN_MODEL_ID): both out
+    in one round, the state saved, and the journal's ALL OUT line for the site."""
+    from donorkit.commands.transport import free_port
+
+    port = free_port()
+    proc = standin(tmp_path, port, env={"VLLM_STANDIN_MODEL_ID": "other/model"})
+    try:
+        config = {**KNOBS, "timeout": 10, "state_dir": str(tmp_path), "apply": False,
+                  "sites": [{"hostname": "h.example", "checkpoint": "org/model", "upstreams": [
+                      {"donor": d, "address": f"127.0.0.1:{port}", "reference": None}
+                      for d in ("a", "b")]}]}
+        state = edge_canary.run_round(config, post=plain_post(port))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert {m["verdict"] for m in state["members"].values()} == {"out"}
+    assert edge_canary.out_members(edge_canary.load_state(str(tmp_path))) == {
+        ("h.example", f"127.0.0.1:{port}")}
+    said = capsys.readouterr().out
+    assert "ALL OUT: every donor of h.example (a, b) failed its canary" in said, said
