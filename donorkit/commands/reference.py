@@ -25,14 +25,11 @@ from donorkit.commands.transport import PinnedHTTPS, client_context, pinned_requ
 from donorkit.inventory import errors
 from donorkit.inventory.errors import DonorsError
 from donorkit.inventory.host_data import DonorBox, ServedModel
-from donorkit.inventory.paths import REPO_ROOT, donors_file, pki_dir
+from donorkit.inventory.paths import donors_file, pki_dir
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki, PkiError
-from donorkit.render.canary_files import reference_path, references_dir
+from donorkit.render.canary_files import canary_module, reference_path, references_dir
 
-sys.path.insert(0, str(REPO_ROOT / "files"))
-import canary  # noqa: E402 - files/canary.py: the one copy the edge runs too
-
-sys.path.remove(str(REPO_ROOT / "files"))
+canary = canary_module()  # files/canary.py: the one copy the edge runs too
 
 
 class NotTrusted(DonorsError):

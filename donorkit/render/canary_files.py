@@ -9,9 +9,12 @@ start) through the runner's `apply`: no reload brings an out donor back."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from donorkit.inventory.errors import DonorsError
 from donorkit.inventory.host_data import EdgeBox
@@ -29,6 +32,18 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 CADDY = "/usr/bin/caddy"
 # A reference file is the operator's own, small: anything larger is not one.
 REFERENCE_LIMIT = 1 << 20
+
+
+def canary_module() -> ModuleType:
+    """files/canary.py (not a package of the install: the edge runs it as a file), loaded once
+    as `files.canary`, the name it has when the checkout's root is on the path (bench/)."""
+    if "files.canary" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("files.canary",
+                                                      REPO_ROOT / "files" / "canary.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["files.canary"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["files.canary"]
 
 
 class ReferenceError(DonorsError):
