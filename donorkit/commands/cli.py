@@ -107,7 +107,11 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    donors, _ = _inventory(args.limit, sources=True, revisions=True)  # refused here, one line
+    from donorkit.render.canary_files import canary_config
+
+    donors, edges = _inventory(args.limit, sources=True, revisions=True)  # refused: one line
+    for edge in edges.values():
+        canary_config(edge)     # the references it ships: a broken one refused here, one line
     command = [BIN / "pyinfra", "inventory/gpus.py", "deploy.py"]
     command += [f"--limit={pattern}" for pattern in args.limit]
     command += ["--dry"] * args.dry + ["--diff"] * args.diff + ["-y"] * args.yes

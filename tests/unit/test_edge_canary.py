@@ -553,3 +553,19 @@ def test_every_donor_of_a_site_out_is_said_loudly(tmp_path: Path, capsys) -> Non
         ("h.example", f"127.0.0.1:{port}")}
     said = capsys.readouterr().out
     assert "ALL OUT: every donor of h.example (a, b) failed its canary" in said, said
+
+
+def test_deploy_refuses_a_broken_reference_in_one_line(tmp_path: Path) -> None:
+    """A reference file an edge would ship, edited by hand into something else: `donors
+    deploy` says so in one line before pyinfra starts."""
+    doc = fleet(tmp_path)
+    doc["overrides"]["canary"]["references_dir"] = str(tmp_path / "references")
+    box = load_inventory(TESTBED)[0]["tb-4090"]
+    path = reference_path(tmp_path / "references", box.models["qwen"].checkpoint,
+                          box.models["qwen"].revision, box.canary_stack)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"checkpoint": "someone/else"}')
+    for name in ("exllamav3_wheel_cache", "engine_kernel_cache"):
+        doc["overrides"][name] = str(tmp_path / name)
+    said = one_line(donors_cli(tmp_path, doc, "deploy", "--dry", "--limit", "tb-edge"))
+    assert f"{path}: field 'checkpoint'/'revision'" in said, said
