@@ -476,16 +476,32 @@ def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
             for t in slow_threads:
                 t.start()
             time.sleep(0.5)
-            state = edge_canary.run_round(config)        # fail_after: 2
+            # fail_after: 2. This round as the timer's service runs it: the system's
+            # `python3 -I -S`, the runner and canary.py side by side, the config a file.
+            runner = {f.path.rsplit("/", 1)[1]: f.content for f in render_canary(
+                edges["tb-edge"].model_copy(update={"pki_dir": str(tmp_path / "pki")}))
+                if f.path.endswith(".py")}
+            (tmp_path / "runner").mkdir()
+            for name, content in runner.items():
+                (tmp_path / "runner" / name).write_text(content)
+            (tmp_path / "canary.json").write_text(json.dumps(config))
+            command = ["/usr/bin/python3", "-I", "-S", str(tmp_path / "runner/edge_canary.py")]
+            ran = subprocess.run([*command, "run", str(tmp_path / "canary.json")],
+                                 capture_output=True, text=True, timeout=120)
+            assert ran.returncode == 0 and "OUT: B" in ran.stdout, ran.stdout + ran.stderr
+            assert "caddy: config loaded" in ran.stdout and "without 127.0.0.1" in ran.stdout
             for t in slow_threads:
                 t.join()
             assert slow == [200] * 4, slow
+            state = edge_canary.load_state(config["state_dir"])
             b = state["members"][f"{edge_failover.HOSTNAME} B"]
             assert b["verdict"] == "out", b
             assert "expected" in b["last_failure"]["evidence"]["first_difference"]
             out_at = time.time()
             # A reload (what `systemctl reload caddy` runs now) keeps B out.
-            edge_canary.apply(config)
+            ran = subprocess.run([*command, "apply", str(tmp_path / "canary.json")],
+                                 capture_output=True, text=True, timeout=120)
+            assert ran.returncode == 0 and "without 127.0.0.1" in ran.stdout, ran.stderr
             time.sleep(3)
             answer_as.write_text("")                      # fixed
             for _ in range(KNOBS["pass_after"]):
