@@ -261,10 +261,10 @@ def update(member: dict, outcome: dict, config: dict, now: float) -> str | None:
 
 
 def run_round(config: dict, post=post_completion, now: float | None = None) -> dict:
-    """Ask every member once, save the state, apply Caddy's config when the out-set changed."""
+    """Ask every member once, save the state, apply Caddy's config when its out-set is not the
+    one Caddy last took."""
     now = time.time() if now is None else now
     state = load_state(config["state_dir"])
-    before = out_members(state)
     context = tls_context(config) if post is post_completion else None
     members, current = state["members"], set()
     for site in config["sites"]:
@@ -291,8 +291,13 @@ def run_round(config: dict, post=post_completion, now: float | None = None) -> d
         if out and len(out) == len(site["upstreams"]):
             log(f"ALL OUT: every donor of {site['hostname']} ({', '.join(out)}) failed its "
                 "canary: the site has no upstream and answers 502 until one passes again")
-    if out_members(state) != before and config.get("apply", True):
+    # Caddy is told whenever the out-set differs from the one it last took from a round (a load
+    # that failed, Caddy down, is tried again at the next round).
+    wanted = sorted([hostname, address] for hostname, address in out_members(state))
+    if config.get("apply", True) and wanted != state.get("applied"):
         apply(config)
+        state["applied"] = wanted
+        save_state(config["state_dir"], state)
     return state
 
 
