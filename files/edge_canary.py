@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 # canary.py lies beside this file (`-I` leaves the script's folder off sys.path).
@@ -132,6 +133,16 @@ def tls_context(config: dict) -> ssl.SSLContext:
     return context
 
 
+def request_headers(hostname: str) -> dict[str, str]:
+    """The headers a client's completion reaches a donor with through the edge (Caddy's proxy:
+    Go's Accept-Encoding and Connection: close with keepalive off, the X-Forwarded-* it adds),
+    so that a canary looks like one. Not sent: X-Forwarded-For / X-Real-IP (a client's
+    address; the edge has none of its own to give)."""
+    return {"Content-Type": "application/json", "Accept": "application/json",
+            "User-Agent": USER_AGENT, "Accept-Encoding": "gzip", "Connection": "close",
+            "X-Forwarded-Proto": "https", "X-Forwarded-Host": hostname}
+
+
 def post_completion(address: str, hostname: str, body: bytes, context: ssl.SSLContext,
                     timeout: float) -> tuple[int, bytes]:
     """(status, body up to the answer limit + 1 byte: parse_answer refuses a longer one), the
@@ -140,9 +151,8 @@ def post_completion(address: str, hostname: str, body: bytes, context: ssl.SSLCo
     deadline = time.monotonic() + timeout
     connection = MemberHTTPS(address, hostname, context, timeout)
     try:
-        connection.request("POST", "/v1/completions", body=body, headers={
-            "Content-Type": "application/json", "Accept": "application/json",
-            "User-Agent": USER_AGENT})
+        connection.request("POST", "/v1/completions", body=body,
+                           headers=request_headers(hostname))
         sock = connection.sock  # the response keeps reading it after the connection lets go
         response = connection.getresponse()
         chunks, size = [], 0
@@ -156,7 +166,12 @@ def post_completion(address: str, hostname: str, body: bytes, context: ssl.SSLCo
                 break
             chunks.append(chunk)
             size += len(chunk)
-        return response.status, b"".join(chunks)
+        raw = b"".join(chunks)
+        if response.getheader("Content-Encoding", "").strip().lower() == "gzip":
+            # Bounded: at most the answer limit + 1 byte unpacked (a gzip bomb stops there).
+            raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(
+                raw, canary.ANSWER_LIMIT + 1)
+        return response.status, raw
     finally:
         connection.close()
 

@@ -206,40 +206,49 @@ def test_check_member_against_the_standin(tmp_path: Path) -> None:
             proc.wait()
 
 
-def test_a_dripping_donor_is_cut_at_the_timeout(tmp_path: Path) -> None:
-    """A donor that answers one byte at a time: post_completion gives up at `timeout` for the
-    whole exchange (a round cannot be held for hours by a donor slow on purpose)."""
+def tls_server(tmp_path: Path, answer) -> tuple[int, object, threading.Event]:
+    """A TLS server for h.example on loopback (a certificate of a throwaway CA): `answer(tls,
+    request)` answers its one connection. (port, client context, stop event)"""
     import socket
     import ssl
 
     from donorkit.inventory.pki import Pki
 
     pki = Pki(tmp_path / "pki")
-    cert, key = pki.server_cert("drip", ["h.example"])
+    cert, key = pki.server_cert("donor", ["h.example"])
     (tmp_path / "s.crt").write_text(cert)
     (tmp_path / "s.key").write_text(key)
     (tmp_path / "ca.crt").write_text(pki.ca_pem())
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(tmp_path / "s.crt", tmp_path / "s.key")
     listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     stop = threading.Event()
 
-    def drip() -> None:
+    def serve() -> None:
         conn, _ = listener.accept()
         with server_ctx.wrap_socket(conn, server_side=True) as tls:
-            tls.recv(65536)
-            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-            while not stop.is_set():
-                try:
-                    tls.sendall(b"x")
-                except OSError:
-                    return
-                time.sleep(0.2)
+            request = tls.recv(65536)
+            try:
+                answer(tls, request, stop)
+            except OSError:
+                pass
+        listener.close()
 
-    thread = threading.Thread(target=drip, daemon=True)
-    thread.start()
-    context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    threading.Thread(target=serve, daemon=True).start()
+    return (listener.getsockname()[1],
+            ssl.create_default_context(cafile=str(tmp_path / "ca.crt")), stop)
+
+
+def test_a_dripping_donor_is_cut_at_the_timeout(tmp_path: Path) -> None:
+    """A donor that answers one byte at a time: post_completion gives up at `timeout` for the
+    whole exchange (a round cannot be held for hours by a donor slow on purpose)."""
+    def drip(tls, request, stop) -> None:
+        tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not stop.is_set():
+            tls.sendall(b"x")
+            time.sleep(0.2)
+
+    port, context, stop = tls_server(tmp_path, drip)
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
@@ -247,7 +256,34 @@ def test_a_dripping_donor_is_cut_at_the_timeout(tmp_path: Path) -> None:
         assert time.monotonic() - started < 4
     finally:
         stop.set()
-        listener.close()
+
+
+def test_the_canary_looks_like_a_client_and_a_gzip_answer_is_read_bounded(
+        tmp_path: Path) -> None:
+    """The request carries what a client's carries through the edge (no marker of its own); a
+    gzip answer is unpacked, at most the answer limit + 1 byte of it (a bomb is cut there)."""
+    import gzip
+
+    seen: list[bytes] = []
+    bomb = gzip.compress(b"0" * (64 << 20))
+
+    def gzipped(tls, request, stop) -> None:
+        seen.append(request)
+        tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: "
+                    + str(len(bomb)).encode() + b"\r\nConnection: close\r\n\r\n" + bomb)
+
+    port, context, _ = tls_server(tmp_path, gzipped)
+    status, raw = edge_canary.post_completion(f"127.0.0.1:{port}", "h.example",
+                                              canary.request_body("o/m", "p"), context, 10)
+    assert status == 200 and len(raw) == canary.ANSWER_LIMIT + 1
+    with pytest.raises(canary.BadAnswer, match="answer over"):
+        canary.parse_answer(raw)
+    head = seen[0].split(b"\r\n\r\n", 1)[0].decode()
+    assert head.startswith("POST /v1/completions HTTP/1.1\r\n") and "Host: h.example" in head
+    for line in ("Accept-Encoding: gzip", "Connection: close", "X-Forwarded-Proto: https",
+                 "X-Forwarded-Host: h.example", "User-Agent: OpenAI/Python"):
+        assert line in head, head
+    assert "canary" not in head.lower()
 
 
 # ------------------------------------------------------------------ Caddy's config ----------
