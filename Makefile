@@ -15,6 +15,8 @@
 #                                     the fleet at a glance: one row per box, every box at once
 #   make lock [BRANCH=main] [ALL=1]   pin each served model's checkpoint to the branch's commit
 #                                     (donors pin; `make pin` the same)
+#   make reference [LIMIT=...]        the canaries' reference, recorded on the trusted builders
+#                                     (donors reference; README "Canaries")
 #   make verify [LIMIT=...]           verification suite against the fleet (honours DONORS_FILE)
 #                                     LIMIT everywhere: names, groups (donors, edges, a card
 #                                     profile), globs (tb-*), a comma list: pyinfra's --limit
@@ -33,7 +35,7 @@ BIN := $(VENV)/bin
 DONORS = $(BIN)/donors $(if $(FLEET),--fleet "$(FLEET)")
 PYTHON ?= python3
 
-.PHONY: help venv venv-test test testbed init deploy verify render lint rollout accept gpu-engine-carry status lock pin join-file join
+.PHONY: help venv venv-test test testbed init deploy verify render lint rollout accept reference gpu-engine-carry status lock pin join-file join
 
 help:
 	@grep -E '^#   ' Makefile | sed 's/^#  //'
@@ -79,6 +81,9 @@ render: venv
 
 rollout: venv
 	@$(DONORS) rollout $(if $(BATCH),--batch "$(BATCH)") $(if $(FROM),--from "$(FROM)") $(if $(INVENTORY),--inventory "$(INVENTORY)") $(if $(PLAN),--plan) $(if $(UNLOCK),--unlock)
+
+reference: venv
+	@$(DONORS) reference $(if $(LIMIT),--limit "$(LIMIT)")
 
 accept: venv
 	@$(DONORS) accept $(if $(LIMIT),--limit "$(LIMIT)") $(if $(VIA),--via "$(VIA)")

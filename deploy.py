@@ -13,6 +13,7 @@ from tasks import (
     build_tools,
     caddy,
     caddy_repository,
+    canary,
     cuda,
     edge_caddy,
     exllamav3,
@@ -64,6 +65,8 @@ if "donors" in host.groups:
 if "edges" in host.groups:
     caddy_repository.apply()
     edge_caddy.apply()
+    # Every donor checked against its reference; one that fails is out of the pools.
+    canary.apply()
     # The hub of the home donors among its upstreams, if any (after its Caddy: the first deploy
     # stops here, printing the edge's new tunnel key for the donors file).
     if host.data.tunnel:

@@ -45,9 +45,11 @@ def system_user(user: str, home: str, shell: str, account: dict | None):
 
 
 @operation(unit_state=lambda op: need(UnitState, unit=op.unit, present=op.pending_marker))
-def reloaded_service(unit: str, pending_marker: str, unit_state: dict, restart: bool = False):
+def reloaded_service(unit: str, pending_marker: str, unit_state: dict, restart: bool = False,
+                     daemon_reload: bool = False):
     """Enabled and running; reloaded when a config swap left the marker behind (`restart`:
-    restarted instead, after a daemon-reload: for a change to the unit itself)."""
+    restarted instead, after a daemon-reload: for a change to the unit itself; `daemon_reload`:
+    reloaded after a daemon-reload: for a drop-in that changes only how it reloads)."""
     q_unit, q_marker = q(unit), q(pending_marker)
     if unit_state.get("UnitFileState") != "enabled":
         yield f"systemctl enable {q_unit}"
@@ -56,7 +58,8 @@ def reloaded_service(unit: str, pending_marker: str, unit_state: dict, restart: 
     elif unit_state.get("Present") == "yes" and restart:
         yield f"systemctl daemon-reload && systemctl restart {q_unit} && rm -f {q_marker}"
     elif unit_state.get("Present") == "yes":
-        yield f"systemctl reload-or-restart {q_unit} && rm -f {q_marker}"
+        first = "systemctl daemon-reload && " if daemon_reload else ""
+        yield f"{first}systemctl reload-or-restart {q_unit} && rm -f {q_marker}"
     else:
         host.noop(f"{unit} is running its current config")
 

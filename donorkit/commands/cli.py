@@ -1,6 +1,6 @@
 """`donors`: the operator's one command. Each action calls the module of donorkit/commands/ that
-does it (status, pin, accept, rollout, render_cli, join_file; pyinfra for deploy and join, pytest
-for verify), imported only by the action that needs it (`donors --help` stays instant).
+does it (status, pin, accept, reference, rollout, render_cli, join_file; pyinfra for deploy and
+join, pytest for verify), imported only by the action that needs it (`donors --help` stays instant).
 
 The operator's data lives in a fleet directory outside the checkout (`--fleet DIR` or
 $DONORS_FLEET; `donors init DIR` makes one), else this checkout's example inventory/donors.yml.
@@ -107,7 +107,11 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    donors, _ = _inventory(args.limit, sources=True, revisions=True)  # refused here, one line
+    from donorkit.render.canary_files import canary_config
+
+    donors, edges = _inventory(args.limit, sources=True, revisions=True)  # refused: one line
+    for edge in edges.values():
+        canary_config(edge)     # the references it ships: a broken one refused here, one line
     command = [BIN / "pyinfra", "inventory/gpus.py", "deploy.py"]
     command += [f"--limit={pattern}" for pattern in args.limit]
     command += ["--dry"] * args.dry + ["--diff"] * args.diff + ["-y"] * args.yes
@@ -158,6 +162,15 @@ def cmd_accept(args: argparse.Namespace) -> int:
     return accept.main([*(f"--limit={p}" for p in args.limit),
                         *([f"--via={args.via}"] if args.via else []),
                         *([f"--results={args.results}"] if args.results else [])])
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from donorkit.commands import reference
+
+    donors = _inventory(args.limit)[0]
+    if not donors:
+        raise Usage(f"--limit {','.join(args.limit)}: selects no donor")
+    return reference.run(donors, bool(args.limit), args.timeout)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -255,6 +268,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--via", metavar="URL", help="through this base URL (an edge)")
     p.add_argument("--results", metavar="DIR",
                    help="where records go (default: acceptance.results_dir)")
+    p = action("reference", "record the canaries' reference on the trusted builders",
+               cmd_reference)
+    _limit(p, "donors (trusted builders only)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds for each canary request (60)")
     p = action("rollout", "the fleet a batch at a time, each in service before the next",
                cmd_rollout)
     p.add_argument("--batch", type=int, help="boxes at a time (default: inventory data)")

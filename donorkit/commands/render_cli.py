@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 from donorkit.inventory.fleet import FleetError, load_inventory
+from donorkit.inventory.host_data import EdgeBox
 from donorkit.inventory.paths import donors_file, pki_dir
 from donorkit.inventory.pki import Pki, PkiError
+from donorkit.render.canary_files import render_canary
 from donorkit.render.templates import OutExists, render_host, write_tree
 
 
@@ -28,6 +30,8 @@ def run(host: str, out: Path) -> int:
         raise FleetError(f"{donors_file()}: no donor or edge named '{host}' "
                          f"(known: {', '.join(sorted(hosts))})")
     files = render_host(hosts[host])
+    if isinstance(hosts[host], EdgeBox):      # and its canary's (tasks/canary.py)
+        files += render_canary(hosts[host])
     try:
         written = write_tree(files, out)
     except OSError as exc:

@@ -31,6 +31,7 @@ from donorkit.inventory.limit import LimitError, select
 from donorkit.inventory.paths import pki_dir
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki, PkiError
 from donorkit.inventory.values import duration_seconds
+from donorkit.render.canary_files import CANARY_STATE_DIR
 from donorkit.render.templates import drain_flag
 
 q = shlex.quote
@@ -263,10 +264,44 @@ def edge_command(data: EdgeBox, window: float) -> str:
         "echo '== upstreams'",
         f"curl -sS -m 5 --unix-socket {q(data.caddy_admin_socket)} -H 'Host: ' "
         "http://localhost/reverse_proxy/upstreams; echo",
+        "echo '== canary'", f"cat {q(CANARY_STATE)} 2>/dev/null; echo",
         "echo '== journal'",
         f"journalctl -u caddy -o cat --no-pager --since=-{int(window)}s 2>&1 | grep '^{{'",
         "true",
     ])
+
+
+CANARY_STATE = f"/var/lib/{CANARY_STATE_DIR}/state.json"
+VERDICTS = ("in", "out", "unjudged")
+
+
+def parse_canary(text: str) -> dict[tuple[str, str], dict]:
+    """The edge's canary state (files/edge_canary.py's state.json): {(hostname, donor): its
+    verdict, pass rate, last failure}. The edge is the operator's, its file still read bounded:
+    a field not of its shape is left out, text is shown escaped."""
+    try:
+        members = json.loads(text).get("members")
+    except (ValueError, AttributeError):
+        return {}
+    found = {}
+    for entry in (members.values() if isinstance(members, dict) else []):
+        if not isinstance(entry, dict) or not isinstance(entry.get("hostname"), str) \
+                or not isinstance(entry.get("donor"), str):
+            continue
+        rate = entry.get("pass_rate")
+        failure = entry.get("last_failure") if isinstance(entry.get("last_failure"), dict) \
+            else {}
+        at = failure.get("at")
+        found[(entry["hostname"], entry["donor"])] = {
+            "verdict": entry.get("verdict") if entry.get("verdict") in VERDICTS else "?",
+            "pass_rate": rate if isinstance(rate, (int, float)) and 0 <= rate <= 1 else None,
+            "last_failure": None if not failure else {
+                "at": datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+                if isinstance(at, (int, float)) and 0 < at < 1e11 else None,
+                "why": shown(failure.get("why") or "", LINE),
+                "evidence": shown(json.dumps(failure.get("evidence")), LINE)
+                if failure.get("evidence") else None}}
+    return found
 
 
 def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
@@ -286,6 +321,7 @@ def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
     row["toolkit"] = shown((found.get("toolkit") or [""])[0].strip(), FIELD) or None
     upstreams_json = "\n".join(found.get("upstreams", [])).strip()
     journal = "\n".join(found.get("journal", []))
+    verdicts = parse_canary("\n".join(found.get("canary", [])))
     now = time.time()
     row["pool"] = []
     for site in data.sites:
@@ -303,7 +339,8 @@ def probe_edge(name: str, data: EdgeBox, timeout: float) -> dict:
             row["pool"].append({"hostname": site.hostname, "donor": upstream.donor,
                                 "address": address,
                                 "seen": "down" if events and not events[-1][1] else "up",
-                                "in_flight": in_flight})
+                                "in_flight": in_flight,
+                                "canary": verdicts.get((site.hostname, upstream.donor))})
     return row
 
 
@@ -319,6 +356,10 @@ def problems(rows: list[dict]) -> list[str]:
                 out.append(f"{row['name']} {model['model']}: not ready")
         if row.get("role") == "edge" and row.get("caddy") not in (None, "active"):
             out.append(f"{row['name']}: caddy {row['caddy']}")
+        for member in row.get("pool", []):
+            if (member.get("canary") or {}).get("verdict") == "out":
+                out.append(f"{member['donor']}: out of {member['hostname']} on {row['name']} "
+                           "(canary)")
     return out
 
 
@@ -360,7 +401,22 @@ def collect(fleet: dict[str, DonorBox], edges: dict[str, EdgeBox], timeout: floa
                    "address": where(data), "unreachable": shown(f"{type(row).__name__}: {row}",
                                                                 LINE)}
         rows.append(row)
+    merge_canary(rows)
     return rows
+
+
+def merge_canary(rows: list[dict]) -> None:
+    """Each donor's models get the edges' canary verdicts on it (`canary`: one per edge
+    serving the model's hostname), from the edges' rows."""
+    seen: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        for member in row.get("pool", []) if row.get("role") == "edge" else []:
+            if member.get("canary"):
+                seen.setdefault((member["hostname"], member["donor"]), []).append(
+                    {"edge": row["name"], **member["canary"]})
+    for row in rows:
+        for model in row.get("models", []) if row.get("role") == "donor" else []:
+            model["canary"] = seen.get((model.get("hostname"), row["name"]), [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 DONOR_COLUMNS = ["DONOR", "CARD", "DRIVER", "GPU MEM", "UTIL", "UNIT", "SINCE",
                  "MODEL @ REVISION", "READY", "DRAINED", "RUN/WAIT", "KV", "VLLM", "TORCH",
-                 "TOOLKIT", "CERT UNTIL"]
-EDGE_COLUMNS = ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+                 "TOOLKIT", "CERT UNTIL", "CANARY"]
+EDGE_COLUMNS = ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT", "CANARY",
+                "PASS", "LAST FAILURE"]
 # The narrow table (the default of `donors status`; -v: the wide one above), within 100 columns
 # for a fleet's usual names: what answers "is it serving, which revision, how loaded".
-NARROW_DONOR = ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY", "RUN/WAIT", "KV"]
-NARROW_EDGE = ["EDGE", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT"]
+NARROW_DONOR = ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY", "RUN/WAIT", "KV",
+                "CANARY"]
+NARROW_EDGE = ["EDGE", "HOSTNAME", "MEMBER", "SEEN", "IN FLIGHT", "CANARY"]
 _NARROW_DONOR_CELLS = [DONOR_COLUMNS.index(c) for c in ("DONOR", "CARD", "UNIT", "SINCE")]
 CELL = 20   # a narrow cell longer than this is cut, with "~"
 
@@ -70,6 +72,20 @@ def kv_cell(metrics: dict) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
+def canary_cell(verdicts: list[dict] | None) -> str:
+    """The edges' canary verdict on a donor's model: OUT when any edge has it out, unjudged
+    when none judges it, else in; `-` when no edge reports one."""
+    if not verdicts:
+        return "-"
+    kinds = {v["verdict"] for v in verdicts}
+    return "OUT" if "out" in kinds else "unjudged" if kinds == {"unjudged"} else \
+        "in" if kinds <= {"in", "unjudged"} else "?"
+
+
+def rate(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
 def donor_rows(row: dict) -> list[list[str]]:
     gpu = row.get("gpu", {})
     card = gpu.get("card") or f"? {gpu.get('error', '')}".strip()
@@ -77,7 +93,7 @@ def donor_rows(row: dict) -> list[list[str]]:
     for model in row.get("models", []) or [{}]:
         if not model:
             rows.append([row["name"], card, gpu.get("driver", "-"), gpu_memory(gpu),
-                         "-", "(no model)", *["-"] * 10])
+                         "-", "(no model)", *["-"] * 11])
             continue
         rows.append([
             row["name"], card, gpu.get("driver", "-"), gpu_memory(gpu),
@@ -87,14 +103,18 @@ def donor_rows(row: dict) -> list[list[str]]:
             duration(model.get("active_for_s")), model_cell(model), ready_cell(model),
             "yes" if row.get("drained") else "no", queue_cell(model.get("metrics", {})),
             kv_cell(model.get("metrics", {})), row.get("vllm") or "-", row.get("torch") or "-",
-            row.get("toolkit") or "-", (model.get("cert_expires") or "-")[:10]])
+            row.get("toolkit") or "-", (model.get("cert_expires") or "-")[:10],
+            canary_cell(model.get("canary"))])
     return rows
 
 
 def edge_rows(row: dict) -> list[list[str]]:
     return [[row["name"], row.get("caddy", "?"), row.get("toolkit") or "-", member["hostname"],
              f"{member['donor']} ({member['address']})", member["seen"],
-             "-" if member["in_flight"] is None else str(member["in_flight"])]
+             "-" if member["in_flight"] is None else str(member["in_flight"]),
+             canary_cell([member["canary"]] if member.get("canary") else []),
+             rate((member.get("canary") or {}).get("pass_rate")),
+             ((member.get("canary") or {}).get("last_failure") or {}).get("why") or "-"]
             for member in row.get("pool", [])]
 
 
@@ -126,7 +146,7 @@ def narrow_donor_rows(row: dict) -> list[list[str]]:
         ready = "yes" if model.get("ready") else "NO" if model else "-"
         out.append([_cut(name), _cut(card, 12), _cut(unit.removeprefix("vllm-")), since,
                     revision, ready, line[DONOR_COLUMNS.index("RUN/WAIT")],
-                    line[DONOR_COLUMNS.index("KV")]])
+                    line[DONOR_COLUMNS.index("KV")], line[DONOR_COLUMNS.index("CANARY")]])
     return out
 
 
@@ -135,6 +155,15 @@ def not_ready_lines(rows: list[dict]) -> list[str]:
     return [f"{row['name']} {model.get('unit', '').removesuffix('.service')}: "
             f"{ready_cell(model)}" for row in rows for model in row.get("models", []) or []
             if not model.get("ready")]
+
+
+def out_lines(rows: list[dict]) -> list[str]:
+    """Under the narrow table: each donor an edge took out of a pool, and why (the edge's last
+    failure of its canary)."""
+    return [f"{member['donor']}: OUT of {member['hostname']} on {row['name']} (canary): "
+            f"{(member['canary'].get('last_failure') or {}).get('why') or '?'}"
+            for row in rows if row["role"] == "edge" for member in row.get("pool", [])
+            if (member.get("canary") or {}).get("verdict") == "out"]
 
 
 def render_table(rows: list[dict], wide: bool = True) -> str:
@@ -150,9 +179,11 @@ def render_table(rows: list[dict], wide: bool = True) -> str:
     edge_lines = [line for r in edges for line in edge_rows(r)]
     if edge_lines and not wide:
         edge_lines = [[_cut(line[0]), _cut(line[3], 30), _cut(line[4].split(" (")[0]), line[5],
-                       line[6]] for line in edge_lines]
+                       line[6], line[7]] for line in edge_lines]
     if edge_lines:
         out += ([""] if out else []) + table(EDGE_COLUMNS if wide else NARROW_EDGE, edge_lines)
+    if edge_lines and not wide:
+        out += out_lines(edges)
     gone = [unreachable_line(r) for r in rows if r.get("unreachable")]
     if gone:
         out += ([""] if out else []) + gone

@@ -205,13 +205,22 @@ def pinned_get(connection: PinnedHTTPS, path: str, headers: dict[str, str] | Non
     within the connection's timeout and the body within `limit` bytes (Deadline,
     AnswerTooLarge). TLS, connection and HTTP errors are raised (OSError,
     http.client.HTTPException)."""
+    status, body = pinned_request(connection, "GET", path, headers, None, limit)
+    return status, body.decode(errors="replace")
+
+
+def pinned_request(connection: PinnedHTTPS, method: str, path: str,
+                   headers: dict[str, str] | None = None, body: bytes | None = None,
+                   limit: int = ANSWER_LIMIT) -> tuple[int, bytes]:
+    """`method` `path` on `connection` (a POST with its body): (status, raw body), bounded as
+    pinned_get."""
     what = f"https://{connection.host}:{connection.port}{path}"
     with Deadline(connection.timeout, what) as deadline:
         deadline.arm(connection.cut)
-        connection.request("GET", path, headers=headers or {})
+        connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()
-        body = read_capped(response.read1, limit, what)
-    return response.status, body.decode(errors="replace")
+        raw = read_capped(response.read1, limit, what)
+    return response.status, raw
 
 
 def within(seconds: float, what: str, work: Callable[[], T]) -> T:

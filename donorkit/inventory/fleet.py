@@ -214,7 +214,9 @@ def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
             address = donors[donor].ssh_hostname
             address = f"[{address}]" if ":" in address else address
             upstreams.append(Upstream.model_construct(
-                donor=donor, address=f"{address}:{donors[donor].caddy_https_port}"))
+                donor=donor, address=f"{address}:{donors[donor].caddy_https_port}",
+                revision=donors[donor].models[pool.model].revision,
+                stack=donors[donor].canary_stack))
         sites.append(Site.model_construct(
             hostname=hostname, model=pool.model, checkpoint=pool.checkpoint, upstreams=upstreams,
             zone=hostname.replace(".", "_").replace("-", "_")))

@@ -15,7 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Tag
 
 from donorkit.inventory.card_profiles import CpuCard, CudaCard, engine_tag
-from donorkit.inventory.schema import EdgeProxy, RateLimit, Settings, TunnelSettings
+from donorkit.inventory.schema import (
+    CanarySettings,
+    EdgeProxy,
+    RateLimit,
+    Settings,
+    TunnelSettings,
+)
 from donorkit.inventory.values import Name, Strict
 
 DERIVED = ConfigDict(defer_build=True)
@@ -79,6 +85,10 @@ class Upstream(Strict):
     model_config = DERIVED
     donor: Name
     address: str
+    # What the edge's canary compares it with (files/edge_canary.py): the revision it serves
+    # under this site's model and its stack (DonorBox.canary_stack).
+    revision: str | None = None
+    stack: str | None = None
 
 
 class Site(Strict):
@@ -238,6 +248,13 @@ class DonorBox(_Login, Settings):
         return self.card.engine == "cuda"
 
     @property
+    def canary_stack(self) -> str:
+        """The card stack a canary reference is recorded on (`donors reference`): the card
+        profile, its CUDA toolkit (or `cpu`) and the vLLM release, from the inventory alone."""
+        return f"{self.card.name}-{'cuda' + self.cuda_version if self.cuda_version else 'cpu'}" \
+               f"-vllm{self.vllm_version}"
+
+    @property
     def exllamav3_stamp(self) -> str:
         """The exllamav3 stack installed in the venv (tasks/exllamav3.py writes it; a change
         restarts the units, tasks/units.py)."""
@@ -264,6 +281,7 @@ class EdgeBox(_Login):
     pki_renew_days: int
     edge_https_port: int
     edge_proxy: EdgeProxy
+    canary: CanarySettings
     public_tls: Literal["acme", "private_ca"]
     rate_limit: RateLimit | None
     sites: list[Site]

@@ -175,6 +175,19 @@ class EdgeProxy(Strict):
     health_timeout: Duration
 
 
+class CanarySettings(Strict):
+    """defaults.yml `canary:`: the edge's canaries (files/edge_canary.py) and their verdict."""
+
+    interval: Duration                      # between two rounds (each member asked once a round)
+    timeout: Duration                       # one canary request, answer included
+    fail_after: Annotated[int, Field(ge=1, le=100)]   # failed rounds in a row: out
+    pass_after: Annotated[int, Field(ge=1, le=100)]   # passed rounds in a row: back in
+    window: Annotated[int, Field(ge=1, le=1000)]      # rounds the pass rate is taken over
+    min_agree: Annotated[float, Field(ge=0, le=1)]    # share of reference tokens that agree
+    max_logprob_gap: Annotated[float, Field(ge=0, le=100)]  # mean |log-probability difference|
+    references_dir: LocalPath               # `donors reference` writes, the deploy ships
+
+
 class TunnelSettings(Strict):
     """defaults.yml `tunnel`: WireGuard between home donors (`reach: tunnel`) and their edges."""
 
@@ -258,6 +271,7 @@ class Settings(Strict):
     edge_https_port: CaddyTlsPort
     edge_proxy: EdgeProxy
     acceptance: AcceptanceSettings           # `make accept`: workload, tolerance, results
+    canary: CanarySettings                   # the edges' canaries (files/edge_canary.py)
 
     @field_validator("venv_dir", "vllm_exl3_plugin_dir")
     @classmethod

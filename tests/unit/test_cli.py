@@ -21,7 +21,7 @@ from tests.unit import test_lock
 from tests.unit.make import make
 
 DONORS = Path(sys.executable).parent / "donors"
-ACTIONS = ["init", "deploy", "render", "status", "pin", "verify", "accept", "rollout",
+ACTIONS = ["init", "deploy", "render", "status", "pin", "verify", "accept", "reference", "rollout",
            "join-file", "join"]
 # The hub stand-in (tests/testbed/hub_standin.py), test_lock's fixtures.
 hub_root, hub, QWEN = test_lock.hub_root, test_lock.hub, test_lock.QWEN
@@ -208,9 +208,9 @@ def test_status_table_fits_100_columns(tmp_path: Path) -> None:
     narrow = render_table([row, edge], wide=False).splitlines()
     assert max(map(len, narrow[:3] + narrow[4:])) <= 100, "\n".join(narrow)
     assert narrow[0].split() == ["DONOR", "CARD", "UNIT", "SINCE", "REVISION", "READY",
-                                 "RUN/WAIT", "KV"]
+                                 "RUN/WAIT", "KV", "CANARY"]
     assert PIN[:12] in narrow[1] and "none!" in narrow[2]   # not the inventory's pin: marked
-    assert narrow[1].split()[-3:] == ["yes", "2/0", "31%"] and " NO " in narrow[2]
+    assert narrow[1].split()[-4:] == ["yes", "2/0", "31%", "-"] and " NO " in narrow[2]
     assert narrow[3].startswith("hermes-4090 vllm-qwen: NO: xxx")   # why, under the table
     wide = render_table([row, edge]).splitlines()
     assert max(map(len, wide)) > 100 and "TORCH" in wide[0]

@@ -414,7 +414,12 @@ def test_make_render_renders_an_edge(tmp_path: Path) -> None:
     assert files == ["etc/caddy/Caddyfile", "etc/caddy/tls/ca.crt",
                      "etc/caddy/tls/front-client.crt", "etc/caddy/tls/front-client.key",
                      "etc/caddy/tls/front.crt", "etc/caddy/tls/front.key",
-                     "etc/systemd/system/caddy.service.d/uncloseai.conf"]
+                     "etc/systemd/system/caddy.service.d/uncloseai-canary.conf",
+                     "etc/systemd/system/caddy.service.d/uncloseai.conf",
+                     "etc/systemd/system/uncloseai-canary.service",
+                     "etc/systemd/system/uncloseai-canary.timer",
+                     "etc/uncloseai/canary/canary.json", "opt/uncloseai/canary/canary.py",
+                     "opt/uncloseai/canary/edge_canary.py"]
     for key in ("front-client.key", "front.key"):
         assert (out / "etc/caddy/tls" / key).stat().st_mode & 0o777 == 0o640
     assert "reverse_proxy https://192.0.2.11:443 https://192.0.2.12:443 {" in (

@@ -54,11 +54,14 @@ def test_the_table_has_a_row_per_model_and_member_and_a_line_per_unreachable_box
             "ready": True, "metrics": {"vllm:num_requests_running": 1.0,
                                        "vllm:num_requests_waiting": 0.0,
                                        "vllm:kv_cache_usage_perc": 0.125},
-            "cert_expires": "2027-12-01T00:00:00+00:00"}]}
+            "cert_expires": "2027-12-01T00:00:00+00:00",
+            "canary": [{"edge": "e", "verdict": "in", "pass_rate": 0.95}]}]}
     edge = {"name": "e", "role": "edge", "address": "root@e:22", "caddy": "active",
             "toolkit": "0.15.0", "pool": [{"hostname": "h.example", "donor": "a",
                                            "address": "10.0.0.1:443", "seen": "down",
-                                           "in_flight": 0}]}
+                                           "in_flight": 0, "canary": {
+                                               "verdict": "in", "pass_rate": 0.95,
+                                               "last_failure": {"why": "bad"}}}]}
     gone = {"name": "b", "role": "donor", "address": "root@10.0.0.2:22",
             "unreachable": "NoValidConnectionsError: [Errno None] Unable to connect"}
     lines = status_view.render_table([donor, gone, edge]).splitlines()
@@ -66,11 +69,11 @@ def test_the_table_has_a_row_per_model_and_member_and_a_line_per_unreachable_box
     assert lines[1].split() == ["a", "RTX", "4090", "580.95.05", "1.0/24.0", "GiB", "7%",
                                 "vllm-qwen", "active/running", "1h01m", "o/m", "@", "d" * 12,
                                 "yes", "no", "1/0", "12%", "0.26.0", "2.11.0", "0.15.0",
-                                "2027-12-01"]
+                                "2027-12-01", "in"]
     assert lines[3].split() == ["EDGE", "CADDY", "TOOLKIT", "HOSTNAME", "MEMBER", "SEEN", "IN",
-                                "FLIGHT"]
+                                "FLIGHT", "CANARY", "PASS", "LAST", "FAILURE"]
     assert lines[4].split() == ["e", "active", "0.15.0", "h.example", "a", "(10.0.0.1:443)",
-                                "down", "0"]
+                                "down", "0", "in", "95%", "bad"]
     assert lines[-1] == ("b: UNREACHABLE (donor, root@10.0.0.2:22): NoValidConnectionsError: "
                          "[Errno None] Unable to connect")
     assert status.problems([donor, gone, edge]) == ["b: unreachable"]
@@ -129,3 +132,44 @@ def test_accept_says_an_unreachable_donor_once(tmp_path, capsys) -> None:
     assert lines == [f"UNREACHABLE a (https://127.0.0.1:{port}: ConnectionRefusedError: "
                      "[Errno 111] Connection refused)"], lines
     assert not (tmp_path / "r").exists() or not list((tmp_path / "r").iterdir())
+
+
+def test_the_edges_canary_state_is_read_bounded_and_shown_per_donor() -> None:
+    """files/edge_canary.py's state.json as an edge's status command prints it: verdicts per
+    (hostname, donor); a field not of its shape left out; an out donor is a problem, a line
+    under the narrow table (who, where, why), OUT in its donor row; --json carries it all."""
+    import json
+
+    state = {"version": 1, "members": {
+        "h.example a": {"hostname": "h.example", "donor": "a", "verdict": "in",
+                        "pass_rate": 1.0},
+        "h.example b": {"hostname": "h.example", "donor": "b", "verdict": "out",
+                        "pass_rate": 0.25, "last_failure": {
+                            "at": 1796300000, "why": "0 of 48 reference tokens agreed\x1b[2J",
+                            "evidence": {"agree": 0.0}}},
+        "h.example c": {"hostname": "h.example", "donor": "c", "verdict": "sideways",
+                        "pass_rate": 7},
+        "junk": ["not", "a", "member"]}}
+    found = status.parse_canary(json.dumps(state))
+    assert found[("h.example", "a")] == {"verdict": "in", "pass_rate": 1.0, "last_failure": None}
+    b = found[("h.example", "b")]
+    assert b["verdict"] == "out" and b["last_failure"]["at"].startswith("2026-")
+    assert "\x1b" not in b["last_failure"]["why"]           # escaped for a terminal
+    assert found[("h.example", "c")]["verdict"] == "?" and found[("h.example", "c")][
+        "pass_rate"] is None
+    assert status.parse_canary("") == {} and status.parse_canary("[1]") == {}
+    donor = {"name": "b", "role": "donor", "address": "root@h:22", "gpu": {},
+             "models": [{"model": "qwen", "unit": "vllm-qwen.service", "checkpoint": "o/m",
+                         "pinned": None, "revision": None, "state": "active/running",
+                         "ready": True, "metrics": {}, "hostname": "h.example"}]}
+    edge = {"name": "e", "role": "edge", "address": "root@e:22", "caddy": "active", "pool": [
+        {"hostname": "h.example", "donor": "b", "address": "10.0.0.2:443", "seen": "up",
+         "in_flight": 0, "canary": b}]}
+    status.merge_canary([donor, edge])
+    assert donor["models"][0]["canary"] == [{"edge": "e", **b}]
+    narrow = status_view.render_table([donor, edge], wide=False).splitlines()
+    assert narrow[0].split()[-1] == "CANARY" and narrow[1].split()[-1] == "OUT"
+    assert any(line.startswith("b: OUT of h.example on e (canary): 0 of 48 reference tokens")
+               for line in narrow), narrow
+    assert max(len(line) for line in narrow if not line.startswith("b: OUT")) <= 100
+    assert "b: out of h.example on e (canary)" in status.problems([donor, edge])
