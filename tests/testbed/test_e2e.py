@@ -40,8 +40,8 @@ from donorkit.inventory.fleet import load_fleet
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.render import templates as render
 from pyinfra_declared.batched_facts import PathStates, UnitState
-from tests.testbed import hosts as bed
-from tests.testbed.hosts import Host, ssh
+from tests.support import hosts as bed
+from tests.support.hosts import Host, ssh
 
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors.yml"
@@ -850,7 +850,7 @@ def test_a_slow_request_does_not_take_a_donor_out(hosts: dict[str, Host]) -> Non
     one is sent, and the loop goes on while the edge waits on it. Left to chance, the loop's
     steady pace can keep the turn's parity, and every slow request reaches the same donor (seen
     in the host-free twin of this test, tests/unit/test_edge_runtime.py)."""
-    from tests.testbed.rollout_watch import RequestLoop
+    from tests.support.rollout_watch import RequestLoop
 
     both_donors_in_the_pool(hosts)
     tag = f"slowloop{random.randrange(10**6)}"
@@ -933,10 +933,10 @@ LOAD_DELAY = 4
 
 
 def hub(control: str, body: dict | None = None) -> list | dict:
-    """The testbed's hub stand-in (tests/testbed/hub_standin.py): its controls and request log."""
+    """The testbed's hub stand-in (tests/support/hub_standin.py): its controls and request log."""
     import urllib.request
 
-    from tests.testbed.www import URL
+    from tests.support.www import URL
     data = None if body is None else json.dumps(body).encode()
     with urllib.request.urlopen(urllib.request.Request(f"{URL}/_standin/{control}", data=data),
                                 timeout=10) as response:
@@ -1044,7 +1044,7 @@ def test_rolling_rollout_keeps_the_hostname_served(hosts: dict[str, Host],
     goes on only once the edge's health checker logged it up again. The journals show the two
     boxes never down at once."""
     from donorkit.commands.rollout_plan import Box
-    from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
+    from tests.support.rollout_watch import RequestLoop, outages, overlapping
 
     # First the fix for tb-4090b alone, resumed from where the failed rollout stopped.
     fixed = donors_variant(tmp_path, [GOOD, SECOND],
@@ -1225,7 +1225,7 @@ def test_a_stopped_box_is_one_line_everywhere(hosts: dict[str, Host], tmp_path: 
     """tb-4090b stopped (its container halted: nothing answers at its address): status, verify,
     accept and rollout each say so in one line naming it; the rest of the fleet is still
     shown. Last in this module: the box stays down until the teardown."""
-    from tests.testbed import containers, network
+    from tests.support import containers, network
 
     box = hosts[SECOND]
     containers.stop(SECOND, box.pid, network.netns_name(SECOND))

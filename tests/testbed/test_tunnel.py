@@ -36,9 +36,10 @@ from donorkit.inventory.fleet import load_inventory
 from donorkit.inventory.host_data import DonorBox, EdgeBox
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT, ca_fingerprint
-from tests.testbed import hosts as bed
-from tests.testbed.common import make_accept
-from tests.testbed.hosts import Host, on_console, ssh
+from tests.support import hosts as bed
+from tests.support.common import make_accept
+from tests.support.deploy import operations, run_deploy
+from tests.support.hosts import Host, on_console, ssh
 
 BIN = Path(sys.executable).parent
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
@@ -84,23 +85,13 @@ def paste(kind: str, name: str, field: str, value: str) -> None:
 def deploy(*limit: str, want_json: bool = False, timeout: float = 1800
            ) -> tuple[int, str, dict]:
     """The real entry point with the operator's donors file: (rc, output, --json results)."""
-    args = [str(BIN / "pyinfra"), "-y", *(["--json"] if want_json else []),
-            "inventory/gpus.py", "deploy.py"]
-    for name in limit:
-        args += ["--limit", name]
-    started = time.monotonic()
-    result = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=timeout, env=dict(os.environ, DONORS_FILE=str(DONORS)))
-    output = result.stdout + result.stderr
-    report: dict = {"elapsed": time.monotonic() - started}
-    start = result.stdout.find('{"plan"')
-    if want_json and start >= 0:
-        report.update(json.loads(result.stdout[start:]))
-    return result.returncode, output, report
+    rc, report, output, _ = run_deploy(*[arg for name in limit for arg in ("--limit", name)],
+                                       donors=DONORS, json_report=want_json, timeout=timeout)
+    return rc, output, report
 
 
-def changed(report: dict, host: str) -> list[str]:
-    return [op["name"] for op in report["results"]["operations"] if host in op["success"]]
+def changed_ops(report: dict, host: str) -> list[str]:
+    return operations(report, host, "success")
 
 
 def sshd_answers_here(address: str) -> str:
@@ -281,15 +272,15 @@ def test_the_operator_deploys_it_through_the_edge(hosts: dict[str, Host]) -> Non
     rc, output, report = deploy(HOME, timeout=2400, want_json=True)
     assert rc == 0, output[-6000:]
     TIMES["deploy through the edge"] = report["elapsed"]
-    ops = [name.split(" | ", 1)[-1] for name in changed(report, HOME)]
+    ops = changed_ops(report, HOME)
     assert "exllamav3: upload the cached wheel of this stack" not in ops, ops
     assert "exllamav3: copy the wheel built here back to the cache" not in ops, ops
     assert not [p for p in cache.rglob("built-by") if p.read_text().strip() == HOME]
     assert not [p for p in cache.rglob("*.download")]
     rc, output, report = deploy(HOME, EDGE, want_json=True)
     assert rc == 0, output[-4000:]
-    assert changed(report, HOME) == [] and changed(report, EDGE) == [], (
-        changed(report, HOME), changed(report, EDGE))
+    assert changed_ops(report, HOME) == [] and changed_ops(report, EDGE) == [], (
+        changed_ops(report, HOME), changed_ops(report, EDGE))
     TIMES["no-op re-run, donor and edge"] = report["elapsed"]
 
 

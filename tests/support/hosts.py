@@ -1,4 +1,4 @@
-"""Local test hosts: `python -m tests.testbed.hosts up|down|status` (from the repo root, as root).
+"""Local test hosts: `python -m tests.support.hosts up|down|status` (from the repo root, as root).
 
 Each host is a Debian 12 systemd-nspawn container (real systemd, sshd, apt, pip) in its own network
 namespace, on the bridge ucbr0 (10.213.0.1/24) with NAT out to the package mirrors. Stand-ins for
@@ -336,7 +336,7 @@ def _parse_hosts(specs: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.testbed.hosts", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tests.support.hosts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("hosts", nargs="*", metavar="NAME=IP",
