@@ -244,6 +244,30 @@ def _keyscan(host: Host, deadline: float, restart) -> str:
     return keys[0]
 
 
+def start_again(host: Host, timeout: float = READY_TIMEOUT) -> None:
+    """A host halted by containers.stop booted again from its root as it was (its host keys
+    too): back once its sshd answers and systemd is running. The state file records its new
+    nspawn, for `down`."""
+    host.pid = containers.boot(host.name, host.netns, again=True, tun=host.tun).pid
+    state = _load()
+    state["hosts"] = [asdict(host) if h.get("name") == host.name else h
+                      for h in state.get("hosts", [])]
+    _save(state)
+    deadline = time.monotonic() + timeout
+
+    def running() -> str | None:
+        left = max(5.0, deadline - time.monotonic())
+        state = ssh(host, "systemctl is-system-running --wait", check=False, timeout=left)
+        if state.stdout.strip() in ("running", "degraded"):
+            return None
+        return f"{host.name}: not back within {timeout:.0f} s ({state.stdout.strip()!r})"
+
+    why = wait_until(running, timeout, 0.5)
+    if why:
+        raise RuntimeError(why)
+    log(f"{host.name} ({host.ip}): booted again, sshd answers")
+
+
 def down(times: dict[str, float] | None = None) -> None:
     """Remove everything `up` made; idempotent, and every step runs even when one fails."""
     state = _load()
