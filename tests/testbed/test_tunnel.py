@@ -38,7 +38,7 @@ from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT, ca_fingerprint
 from tests.support import hosts as bed
 from tests.support.common import make_accept
-from tests.support.deploy import operations, run_deploy
+from tests.support.deploy import Deployed, operations, run_deploy
 from tests.support.hosts import Host, on_console, ssh
 
 BIN = Path(sys.executable).parent
@@ -82,12 +82,11 @@ def paste(kind: str, name: str, field: str, value: str) -> None:
     DONORS.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-def deploy(*limit: str, want_json: bool = False, timeout: float = 1800
-           ) -> tuple[int, str, dict]:
-    """The real entry point with the operator's donors file: (rc, output, --json results)."""
-    rc, report, output, _ = run_deploy(*[arg for name in limit for arg in ("--limit", name)],
-                                       donors=DONORS, json_report=want_json, timeout=timeout)
-    return rc, output, report
+def deploy(*limit: str, want_json: bool = False, timeout: float = 1800) -> Deployed:
+    """The real entry point with the operator's donors file: (rc, --json results, output,
+    seconds)."""
+    return run_deploy(*[arg for name in limit for arg in ("--limit", name)], donors=DONORS,
+                      json_report=want_json, timeout=timeout)
 
 
 def changed_ops(report: dict, host: str) -> list[str]:
@@ -144,7 +143,7 @@ def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None
     """The edge makes its own key pair; with no key in the donors file yet its deploy stops at
     the check, saying the key and the line to paste; pasted, the next deploy brings the hub up
     (no peer yet: nobody has joined), listening on UDP 51820 only."""
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc != 0, output[-3000:]
     found = re.search(r"refused: tb-edge: its tunnel key is (\S{44}): add `tunnel_public_key: "
                       r"\1` to edge 'tb-edge'", output)
@@ -153,7 +152,7 @@ def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None
     assert key == ssh(hosts[EDGE], f"cat /etc/wireguard/{IFACE}.pub").stdout.strip()
     assert ssh(hosts[EDGE], f"stat -c %a /etc/wireguard/{IFACE}.key").stdout.strip() == "600"
     paste("edges", EDGE, "tunnel_public_key", key)
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc == 0, output[-4000:]
     show = ssh(hosts[EDGE], f"wg show {IFACE}").stdout
     assert "listening port: 51820" in show and "peer:" not in show, show
@@ -218,7 +217,7 @@ def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
     with bed.KNOWN_HOSTS.open("a") as handle:
         handle.write(host_key.group(1) + "\n")
     started = time.monotonic()
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc == 0, output[-4000:]
     edge_run = time.monotonic() - started
     why = wait_until(lambda: None if handshake_age(hosts, key.group(1)) is not None else
@@ -269,19 +268,19 @@ def test_the_operator_deploys_it_through_the_edge(hosts: dict[str, Host]) -> Non
     inventory names none, so a wheel the fleet's scenarios left in the cache is not used): it
     builds its own, and what it built is not copied back to the operator's caches."""
     cache = REPO_ROOT / ".testbed/wheel-cache"
-    rc, output, report = deploy(HOME, timeout=2400, want_json=True)
+    rc, report, output, took = deploy(HOME, timeout=2400, want_json=True)
     assert rc == 0, output[-6000:]
-    TIMES["deploy through the edge"] = report["elapsed"]
+    TIMES["deploy through the edge"] = took
     ops = changed_ops(report, HOME)
     assert "exllamav3: upload the cached wheel of this stack" not in ops, ops
     assert "exllamav3: copy the wheel built here back to the cache" not in ops, ops
     assert not [p for p in cache.rglob("built-by") if p.read_text().strip() == HOME]
     assert not [p for p in cache.rglob("*.download")]
-    rc, output, report = deploy(HOME, EDGE, want_json=True)
+    rc, report, output, took = deploy(HOME, EDGE, want_json=True)
     assert rc == 0, output[-4000:]
     assert changed_ops(report, HOME) == [] and changed_ops(report, EDGE) == [], (
         changed_ops(report, HOME), changed_ops(report, EDGE))
-    TIMES["no-op re-run, donor and edge"] = report["elapsed"]
+    TIMES["no-op re-run, donor and edge"] = took
 
 
 def test_caddy_listens_on_the_tunnel_and_loopback_only(hosts: dict[str, Host]) -> None:
