@@ -58,11 +58,11 @@ lint: venv-test
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m tests.unit.host_tools --install
+	$(BIN)/python -m tests.support.host_tools --install
 	$(BIN)/pytest -q tests/unit pyinfra_declared/tests
 
 testbed: venv-test
-	$(BIN)/python -m tests.unit.host_tools --install
+	$(BIN)/python -m tests.support.host_tools --install
 	$(BIN)/python -m pytest -p no:cacheprovider -x -v -s tests/testbed
 
 init: venv

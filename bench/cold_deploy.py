@@ -5,7 +5,7 @@ one run; and 1, 2 and 4 fresh boxes of one stack at once.
     flock /tmp/uncloseai-testbed.lock .venv/bin/python -m bench.cold_deploy \
         [--sizes 1,2,4] [--baseline REV] [--skip hand-pip,before,...]
 
-Runs, in this order, each on fresh testbed hosts (tests/testbed/hosts.py; torn down after each
+Runs, in this order, each on fresh testbed hosts (tests/support/hosts.py; torn down after each
 group, so at most four venvs of ~7.5 GB are on disk at a time), rtx4090 profile (real vllm
 0.26.0 and torch 2.11.0 from PyPI, the stand-in CUDA 13.3 repository, the stand-in exllamav3,
 the stand-in hub and vLLM: tests/testbed/README.md):
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import shutil
@@ -51,6 +50,7 @@ import yaml
 from bench.noop_rerun import donors_file
 from donorkit.inventory.fleet import DEFAULTS_FILE, read_yaml
 from donorkit.inventory.paths import REPO_ROOT
+from tests.support.deploy import run_deploy
 
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
@@ -93,18 +93,11 @@ def phases_of(lines: list[tuple[float, str]], end: float) -> dict[str, float]:
 
 def deploy(donors: Path, cwd: Path = REPO_ROOT) -> tuple[float, dict[str, float], str]:
     """One pyinfra run, its log streamed and timestamped: (wall s, phases, log)."""
-    env = dict(os.environ, DONORS_FILE=str(donors), PYTHONUNBUFFERED="1")
-    started = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "pyinfra"), "-y", "inventory/gpus.py", "deploy.py"],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    lines = [(time.monotonic() - started, line) for line in proc.stdout]
-    proc.wait()
-    elapsed = time.monotonic() - started
-    log = "".join(line for _, line in lines)
-    if proc.returncode != 0:
-        raise SystemExit(f"deploy failed (rc {proc.returncode}, {cwd}):\n{log[-4000:]}")
-    return elapsed, phases_of(lines, elapsed), log
+    lines: list[tuple[float, str]] = []
+    run = run_deploy(donors=donors, cwd=cwd, json_report=False, lines=lines, timeout=7200)
+    if run.rc != 0:
+        raise SystemExit(f"deploy failed (rc {run.rc}, {cwd}):\n{run.log[-4000:]}")
+    return run.elapsed, phases_of(lines, run.elapsed), run.log
 
 
 STAMP = 'step() { echo "@@step $1 $(date +%s.%N)"; }'
@@ -161,7 +154,7 @@ def stamped_steps(output: str) -> dict[str, float]:
 
 def hand(host, installer: str, cached_wheel: Path, uv_cache: str | None = None) -> dict:
     """The by-hand install on a fresh box: seconds per step (the wheel's scp counted in)."""
-    from tests.testbed.hosts import KNOWN_HOSTS, SSH_KEY, ssh
+    from tests.support.hosts import KNOWN_HOSTS, SSH_KEY, ssh
 
     remote_wheel = f"/tmp/{cached_wheel.name}"
     packages_part, wheel_part = hand_script(installer, remote_wheel, uv_cache)
@@ -233,7 +226,7 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma list of runs to leave out: "
                         "after-N, hand-uv, before, hand-pip, hand-uv-cold")
     args = parser.parse_args()
-    from tests.testbed import hosts as bed
+    from tests.support import hosts as bed
 
     skip = set(filter(None, args.skip.split(",")))
     sizes = [int(n) for n in args.sizes.split(",")]

@@ -4,7 +4,7 @@
                                          [--modes ours,stock,before,floor]
                                          [--networks loopback,rtt50] [--profile DIR]
 
-Brings up N testbed hosts with the rtx4090 profile (tests/testbed/hosts.py), converges them with
+Brings up N testbed hosts with the rtx4090 profile (tests/support/hosts.py), converges them with
 the real entry point (`pyinfra inventory/gpus.py deploy.py`, DONORS_FILE naming a generated
 donors file), then alternates no-op re-runs, at 1 host and at all hosts, of
   (a) ours:   this deploy;
@@ -46,7 +46,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -54,9 +53,9 @@ import yaml
 from bench.latency_relay import Relay
 from donorkit import __version__
 from donorkit.inventory.paths import REPO_ROOT
-from tests.testbed import hosts as bed
+from tests.support import hosts as bed
+from tests.support.deploy import changes, run_deploy
 
-BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
 TEMPLATE = REPO_ROOT / "tests/testbed/donors.yml"
 
@@ -109,28 +108,19 @@ def deploy(donors: Path, *extra: str, mode: str = "ours", baseline: Path | None 
     """One pyinfra run: wall time, its JSON report, its log, and CPU seconds split into the
     controller (pyinfra's process) and the rest of the machine (the hosts' sshd and commands,
     and over 50 ms the relay), which here share the same cores."""
-    env = dict(os.environ, DONORS_FILE=str(donors))
     cwd = REPO_ROOT if mode != "before" else baseline
     inventory = str(REPO_ROOT / "bench/stock_inventory.py") if mode == "stock" else (
         "inventory/gpus.py")
     profiler = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else []
-    args = [*profiler, str(BIN / "pyinfra"), "-y", "--json", *(["--debug"] if debug else []),
-            *extra, inventory, "bench/floor_deploy.py" if mode == "floor" else "deploy.py"]
-    started, busy, controller = time.perf_counter(), busy_cpu_s(), children_cpu_s()
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=3600)
-    elapsed = time.perf_counter() - started
+    busy, controller = busy_cpu_s(), children_cpu_s()
+    run = run_deploy(*(["--debug"] if debug else []), *extra, inventory=inventory,
+                     deploy="bench/floor_deploy.py" if mode == "floor" else "deploy.py",
+                     donors=donors, cwd=cwd, timeout=3600, prefix=profiler)
     controller = children_cpu_s() - controller
     cpu = {"controller": controller, "rest": max(busy_cpu_s() - busy - controller, 0.0)}
-    start = result.stdout.find('{"plan"')
-    if result.returncode != 0 or start < 0:
-        raise SystemExit(f"deploy failed ({mode}, rc {result.returncode}):\n"
-                         f"{(result.stdout + result.stderr)[-4000:]}")
-    return elapsed, json.loads(result.stdout[start:]), result.stderr, cpu
-
-
-def changes(report: dict) -> int:
-    return report["results"]["totals"]["success"]
+    if run.rc != 0 or not run.report:
+        raise SystemExit(f"deploy failed ({mode}, rc {run.rc}):\n{run.log[-4000:]}")
+    return run.elapsed, run.report, run.log, cpu
 
 
 def commands_per_host(log: str) -> dict[str, int]:

@@ -29,8 +29,9 @@ import yaml
 from donorkit.commands.rollout_plan import Box, load_boxes
 from donorkit.inventory.paths import REPO_ROOT, pki_dir
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
-from tests.testbed import hosts as bed
-from tests.testbed.rollout_watch import RequestLoop, outages, overlapping
+from tests.support import hosts as bed
+from tests.support.deploy import run_deploy
+from tests.support.rollout_watch import RequestLoop, outages, overlapping
 
 BIN = Path(sys.executable).parent
 WORK = REPO_ROOT / ".testbed"
@@ -71,8 +72,7 @@ def main() -> int:
         hosts = {h.name: h for h in started}
         delay = args.load_delay
         donors_file(names, delay, donors)
-        rc, out, took = run([str(BIN / "pyinfra"), "-y", "inventory/gpus.py", "deploy.py"],
-                            donors, 3600)
+        rc, _, out, took = run_deploy(donors=donors, json_report=False, timeout=3600)
         if rc != 0:
             print(out[-6000:])
             return 1

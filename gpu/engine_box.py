@@ -78,13 +78,13 @@ def driver_library() -> str:
 
 def toolkit(prefix: Path) -> dict:
     # The daemon runs `python3 -m gpu.engine_run` in its copy of the tree: tests/ imports.
-    from tests.testbed.cuda_standin import _finish_layout, _unpack_wheel
+    from tests.support.cuda_standin import finish_layout, unpack_wheel
 
     started = time.monotonic()
     if not (prefix / "bin/nvcc").exists():
         for wheel in sorted((STAGE / "cuda-13.3").glob("*.whl")):
-            _unpack_wheel(wheel, prefix)
-        _finish_layout(prefix, prefix.name.removeprefix("cuda-"))
+            unpack_wheel(wheel, prefix)
+        finish_layout(prefix, prefix.name.removeprefix("cuda-"))
     nvcc = subprocess.run([prefix / "bin/nvcc", "--version"], capture_output=True, text=True)
     return {"nvcc": nvcc.stdout.strip().splitlines()[-1] if nvcc.returncode == 0 else nvcc.stderr,
             "cicc": (prefix / "nvvm/bin/cicc").exists(),

@@ -12,7 +12,7 @@ What goes in:
   specifiers the set places on each distribution, so gpu/engine_install.py installs only what the
   GPU machine's image lacks or holds at a version outside them.
 - cuda-13.3/: NVIDIA's CUDA 13.3 compiler wheels from PyPI (the testbed's list,
-  tests/testbed/cuda_standin.py): the 4090 profile's toolkit, laid out as /usr/local/cuda-13.3.
+  tests/support/cuda_standin.py): the 4090 profile's toolkit, laid out as /usr/local/cuda-13.3.
 - models/: gpu/tiny_checkpoints.py's stand-in checkpoints (made in a build venv with the CPU torch
   and transformers 5.17, the image's version).
 - render/: `make render` of gpu/engine.yml's donors (the units the engines start from).
@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from donorkit.inventory.paths import REPO_ROOT as REPO
-from tests.testbed.cuda_standin import HEADERS_ONLY, TOOLKITS
+from tests.support.cuda_standin import HEADERS_ONLY, TOOLKITS
 
 WORK = REPO / ".gpu-engine"
 STAGE, CARRY, CACHE = WORK / "stage", WORK / "carry", WORK / "cache"

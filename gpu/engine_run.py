@@ -351,7 +351,11 @@ def launch(runs: list[str]) -> None:
         tar.extractall(ROOT, filter="tar")
     archive.unlink()
     shutil.rmtree(REPO, ignore_errors=True)  # the daemon's own copy: calls re-send the tree
-    shutil.copytree(HERE, REPO, ignore=shutil.ignore_patterns(".gpu-engine", ".git", ".venv"))
+    # The daemon needs the code, never a checkout's caches: the local dry run's tree may hold a
+    # .testbed of 10+ GB (test_gpu_harness once filled the disk copying it).
+    shutil.copytree(HERE, REPO, ignore=shutil.ignore_patterns(
+        ".gpu-engine", ".git", ".venv", ".testbed", ".gpu", ".whl", ".hypothesis",
+        ".pytest_cache", ".ruff_cache"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "daemon.log").open("w") as log:
         subprocess.Popen([sys.executable, "-m", "gpu.engine_run", "daemon", "--runs",

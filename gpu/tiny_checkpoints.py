@@ -26,7 +26,7 @@ are JIT-compiled and autotuned, and the OpenAI server, chat template and tool pa
   hermes unit's exact flags run, `--quantization awq_marlin` and the hermes tool parser included.
 
 Every checkpoint's max_position_embeddings is at least its profile's max_model_len. Deterministic
-(fixed seeds). The tokenizer and chat template are the testbed's (tests/testbed/tiny_model.py:
+(fixed seeds). The tokenizer and chat template are the testbed's (tests/support/tiny_model.py:
 byte-level, Qwen's <tool_call> tags, which Hermes-3 uses too).
 
     python gpu/tiny_checkpoints.py OUT_DIR     # needs torch and transformers (gpu/engine_carry.py)
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from tests.testbed.tiny_model import write_text_files
+from tests.support.tiny_model import write_text_files
 
 VOCAB = 512
 MAX_POSITIONS = 65536  # >= qwen's 65536 and hermes' 64000 (defaults.yml max_model_len)

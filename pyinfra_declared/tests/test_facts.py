@@ -161,7 +161,8 @@ def test_unit_state_batched_answers_each_unit_or_refuses() -> None:
     """One `systemctl show` for many units: each unit's value is what its own command gives.
     Without systemd as PID 1 (this machine) systemctl prints nothing: the batch must refuse
     (the snapshot then reads each unit on its own) rather than answer with missing states.
-    Against real systemd the batch is also checked on the testbed (tests/testbed/test_e2e.py)."""
+    Against real systemd the batch is also checked on the testbed
+    (tests/testbed/fleet/test_idempotence.py)."""
     requests = [{"unit": "caddy", "present": "/etc/passwd"},
                 {"unit": "vllm-qwen.service", "depends_on": ["/etc/hostname"], "record": "/no"}]
     fact = UnitState()

@@ -1,4 +1,6 @@
-"""Local test hosts for `make testbed`: systemd-nspawn containers on their own network namespaces.
+"""`make testbed`: the deploy against local test hosts (tests/testbed/README.md). The scenarios
+of one converged fleet are in fleet/; the helpers are the package tests.support."""
 
-Entry point: `python -m tests.testbed.hosts up|down|status`, or `hosts.testbed([...])` from a test.
-"""
+from tests.support import old_paths
+
+old_paths.install()

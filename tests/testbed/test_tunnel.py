@@ -36,9 +36,10 @@ from donorkit.inventory.fleet import load_inventory
 from donorkit.inventory.host_data import DonorBox, EdgeBox
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT, ca_fingerprint
-from tests.testbed import hosts as bed
-from tests.testbed.common import make_accept
-from tests.testbed.hosts import Host, on_console, ssh
+from tests.support import hosts as bed
+from tests.support.common import make_accept
+from tests.support.deploy import Deployed, operations, run_deploy
+from tests.support.hosts import Host, on_console, ssh
 
 BIN = Path(sys.executable).parent
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
@@ -81,26 +82,15 @@ def paste(kind: str, name: str, field: str, value: str) -> None:
     DONORS.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-def deploy(*limit: str, want_json: bool = False, timeout: float = 1800
-           ) -> tuple[int, str, dict]:
-    """The real entry point with the operator's donors file: (rc, output, --json results)."""
-    args = [str(BIN / "pyinfra"), "-y", *(["--json"] if want_json else []),
-            "inventory/gpus.py", "deploy.py"]
-    for name in limit:
-        args += ["--limit", name]
-    started = time.monotonic()
-    result = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=timeout, env=dict(os.environ, DONORS_FILE=str(DONORS)))
-    output = result.stdout + result.stderr
-    report: dict = {"elapsed": time.monotonic() - started}
-    start = result.stdout.find('{"plan"')
-    if want_json and start >= 0:
-        report.update(json.loads(result.stdout[start:]))
-    return result.returncode, output, report
+def deploy(*limit: str, want_json: bool = False, timeout: float = 1800) -> Deployed:
+    """The real entry point with the operator's donors file: (rc, --json results, output,
+    seconds)."""
+    return run_deploy(*[arg for name in limit for arg in ("--limit", name)], donors=DONORS,
+                      json_report=want_json, timeout=timeout)
 
 
-def changed(report: dict, host: str) -> list[str]:
-    return [op["name"] for op in report["results"]["operations"] if host in op["success"]]
+def changed_ops(report: dict, host: str) -> list[str]:
+    return operations(report, host, "success")
 
 
 def sshd_answers_here(address: str) -> str:
@@ -153,7 +143,7 @@ def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None
     """The edge makes its own key pair; with no key in the donors file yet its deploy stops at
     the check, saying the key and the line to paste; pasted, the next deploy brings the hub up
     (no peer yet: nobody has joined), listening on UDP 51820 only."""
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc != 0, output[-3000:]
     found = re.search(r"refused: tb-edge: its tunnel key is (\S{44}): add `tunnel_public_key: "
                       r"\1` to edge 'tb-edge'", output)
@@ -162,7 +152,7 @@ def test_edge_first_deploy_prints_its_tunnel_key(hosts: dict[str, Host]) -> None
     assert key == ssh(hosts[EDGE], f"cat /etc/wireguard/{IFACE}.pub").stdout.strip()
     assert ssh(hosts[EDGE], f"stat -c %a /etc/wireguard/{IFACE}.key").stdout.strip() == "600"
     paste("edges", EDGE, "tunnel_public_key", key)
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc == 0, output[-4000:]
     show = ssh(hosts[EDGE], f"wg show {IFACE}").stdout
     assert "listening port: 51820" in show and "peer:" not in show, show
@@ -227,7 +217,7 @@ def test_the_owner_joins_with_one_command(hosts: dict[str, Host]) -> None:
     with bed.KNOWN_HOSTS.open("a") as handle:
         handle.write(host_key.group(1) + "\n")
     started = time.monotonic()
-    rc, output, _ = deploy(EDGE)
+    rc, _, output, _ = deploy(EDGE)
     assert rc == 0, output[-4000:]
     edge_run = time.monotonic() - started
     why = wait_until(lambda: None if handshake_age(hosts, key.group(1)) is not None else
@@ -275,22 +265,22 @@ def test_the_operator_deploys_it_through_the_edge(hosts: dict[str, Host]) -> Non
     """The same entry point as any donor, over SSH through the edge to its tunnel address: it
     converges (the whole stack, stand-ins for the GPU); a second run, with the edge, changes
     nothing. A volunteer's box (issue 32): no cache builder's wheel is shipped to it (this
-    inventory names none, so a wheel test_e2e left in the cache is not used): it builds its
-    own, and what it built is not copied back to the operator's caches."""
+    inventory names none, so a wheel the fleet's scenarios left in the cache is not used): it
+    builds its own, and what it built is not copied back to the operator's caches."""
     cache = REPO_ROOT / ".testbed/wheel-cache"
-    rc, output, report = deploy(HOME, timeout=2400, want_json=True)
+    rc, report, output, took = deploy(HOME, timeout=2400, want_json=True)
     assert rc == 0, output[-6000:]
-    TIMES["deploy through the edge"] = report["elapsed"]
-    ops = [name.split(" | ", 1)[-1] for name in changed(report, HOME)]
+    TIMES["deploy through the edge"] = took
+    ops = changed_ops(report, HOME)
     assert "exllamav3: upload the cached wheel of this stack" not in ops, ops
     assert "exllamav3: copy the wheel built here back to the cache" not in ops, ops
     assert not [p for p in cache.rglob("built-by") if p.read_text().strip() == HOME]
     assert not [p for p in cache.rglob("*.download")]
-    rc, output, report = deploy(HOME, EDGE, want_json=True)
+    rc, report, output, took = deploy(HOME, EDGE, want_json=True)
     assert rc == 0, output[-4000:]
-    assert changed(report, HOME) == [] and changed(report, EDGE) == [], (
-        changed(report, HOME), changed(report, EDGE))
-    TIMES["no-op re-run, donor and edge"] = report["elapsed"]
+    assert changed_ops(report, HOME) == [] and changed_ops(report, EDGE) == [], (
+        changed_ops(report, HOME), changed_ops(report, EDGE))
+    TIMES["no-op re-run, donor and edge"] = took
 
 
 def test_caddy_listens_on_the_tunnel_and_loopback_only(hosts: dict[str, Host]) -> None:

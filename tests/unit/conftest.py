@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from donorkit.inventory.paths import REPO_ROOT
+from tests.support import old_paths
+
+old_paths.install()  # tests.unit.make and the other helpers' old paths, for unmerged branches
 
 # The checkout's own private CA (defaults.yml `pki_dir: pki`): the operator's keys. Tests keep
 # their CAs in temporary folders; one that creates or changes anything here fails.

@@ -19,8 +19,8 @@ from donorkit.inventory.fleet import load_inventory
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 from donorkit.inventory.schema import RateLimit
-from tests.unit import version_server
-from tests.unit.host_edit import put
+from tests.support import version_server
+from tests.support.host_edit import put
 
 BASE = core.Baseline(prefill_tok_s=1653, concurrent_wall_s=30.5, source="seed")
 

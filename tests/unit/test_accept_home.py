@@ -1,7 +1,7 @@
 """`make accept` for a home donor behind NAT (`reach: tunnel`): its Caddy is at its tunnel address,
 which only its edge reaches. The route (the donor's Caddy through the edge's SSH forward, mutual
 TLS as for any donor), the OpenSSH argv, and the whole command against a real OpenSSH client
-forwarding through a real SSH server on loopback (tests/unit/loopback_sshd.py) to a TLS server
+forwarding through a real SSH server on loopback (tests/support/loopback_sshd.py) to a TLS server
 that requires our client CA's certificate, standing in for the donor's Caddy at its tunnel
 address (a loopback address here: the pool is 127.77.0.0/16)."""
 
@@ -30,7 +30,7 @@ from donorkit.inventory.host_data import SshJump
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
 from donorkit.inventory.ssh_commands import forward_command
-from tests.unit import loopback_sshd, version_server
+from tests.support import loopback_sshd, version_server
 
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
 HOSTNAME = "hermes.ai.unturf.com"

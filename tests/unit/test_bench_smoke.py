@@ -2,8 +2,8 @@
 once failed for weeks on an edge the testbed's donors file had gained). Here, without test
 hosts: each script starts and parses its arguments; each donors file a benchmark generates loads
 through the real loader; load_cpu and latency_relay run for real. With test hosts
-(`make testbed`): tests/testbed/test_e2e.py runs noop_rerun's three deploys (ours, stock with
-bench/stock_inventory.py, floor with bench/floor_deploy.py) on its converged host, and
+(`make testbed`): tests/testbed/fleet/test_idempotence.py runs noop_rerun's three deploys (ours,
+stock with bench/stock_inventory.py, floor with bench/floor_deploy.py) on its converged host, and
 tests/testbed/test_bench_smoke.py runs edge_failover end to end."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What boxes send back is the box owner's (issue 32, hole 5): every answer read within a byte
 limit and a deadline for the whole exchange, every field printed or recorded bounded and
 escaped. Real servers on loopback stand in for a hostile box: the HTTPS one of the accept tests
-(tests/unit/version_server.py, our CA's certificate, the client CA required as a donor's Caddy
-does) and the SSH one (tests/unit/loopback_sshd.py, answering commands as told), sending escape
+(tests/support/version_server.py, our CA's certificate, the client CA required as a donor's Caddy
+does) and the SSH one (tests/support/loopback_sshd.py, answering commands as told), sending escape
 sequences, huge answers and bytes one at a time."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from donorkit.commands import status, transport
 from donorkit.commands.transport import AnswerTooLarge, SshRunner, https_get, shown
 from donorkit.inventory.fleet import load_inventory
 from donorkit.inventory.pki import OPERATOR_CLIENT, Pki
-from tests.unit import loopback_sshd, version_server
+from tests.support import loopback_sshd, version_server
 
 HOSTNAME = "h.example.com"
 # What retitles the operator's terminal, clears it, and reverses what follows.

@@ -17,13 +17,13 @@ import yaml
 
 from donorkit.inventory import errors
 from donorkit.inventory.paths import REPO_ROOT
+from tests.support.make import make
 from tests.unit import test_lock
-from tests.unit.make import make
 
 DONORS = Path(sys.executable).parent / "donors"
 ACTIONS = ["init", "deploy", "render", "status", "pin", "verify", "accept", "reference", "rollout",
            "join-file", "join"]
-# The hub stand-in (tests/testbed/hub_standin.py), test_lock's fixtures.
+# The hub stand-in (tests/support/hub_standin.py), test_lock's fixtures.
 hub_root, hub, QWEN = test_lock.hub_root, test_lock.hub, test_lock.QWEN
 PIN = "0123456789abcdef0123456789abcdef01234567"
 
@@ -87,7 +87,7 @@ def test_init_makes_a_fleet_and_never_overwrites_it(tmp_path: Path) -> None:
 
 def test_pin_writes_into_the_fleet_not_the_toolkit(tmp_path: Path, hub) -> None:
     """A fleet made by init pins its models in its own donors.yml (the toolkit's defaults.yml,
-    which a `git pull` replaces, stays as it is). The hub: tests/testbed/hub_standin.py."""
+    which a `git pull` replaces, stays as it is). The hub: tests/support/hub_standin.py."""
     url, state = hub
     fleet = tmp_path / "fleet"
     assert donors("init", str(fleet)).returncode == 0

@@ -27,7 +27,7 @@ from donorkit.inventory.host_data import Upstream
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import Pki, PkiError
 from donorkit.render.templates import CADDYFILE, render_edge, render_host, write_tree
-from tests.unit.make import make
+from tests.support.make import make
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 DISTRO_CADDY = "/usr/bin/caddy"

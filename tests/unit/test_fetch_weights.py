@@ -1,5 +1,5 @@
 """The weights step's program (files/fetch_weights.py) with the REAL huggingface_hub client against
-the testbed's hub stand-in (tests/testbed/hub_standin.py), both on loopback: a first fetch, an
+the testbed's hub stand-in (tests/support/hub_standin.py), both on loopback: a first fetch, an
 interrupted connection resumed with a Range request, a converged run that sends no request at
 all, a killed run whose finished files are kept, a gated model's token, bad revisions."""
 
@@ -18,7 +18,7 @@ import pytest
 
 from donorkit.commands.transport import wait_until
 from donorkit.inventory.paths import REPO_ROOT
-from tests.testbed.hub_standin import generate_checkpoint, load_repo, make_servers
+from tests.support.hub_standin import generate_checkpoint, load_repo, make_servers
 
 FETCH = REPO_ROOT / "files/fetch_weights.py"
 REPO = "standin/tiny-checkpoint"
@@ -191,7 +191,7 @@ def test_unknown_revision_and_bad_input(hub, tmp_path):
 
 
 # ------------------------------------------------------------------ a hostile hub -----------
-# The stand-in for the Hugging Face hub (tests/testbed/hub_standin.py) turned HOSTILE: the resolve
+# The stand-in for the Hugging Face hub (tests/support/hub_standin.py) turned HOSTILE: the resolve
 # answer for one file carries a path-traversal ETag. huggingface_hub 2.4.0 builds the blob's path
 # from the ETag as it comes (blobs/<etag>): unchecked, the file lands outside the cache.
 

@@ -69,7 +69,7 @@ def test_phases_read_from_the_recorded_engine_logs() -> None:
 
 # ------------------------------------------------------------------ with the GPU image's python --
 
-DRY_RUN = REPO_ROOT / "tests/unit/gpu_image_dry_run.py"
+DRY_RUN = REPO_ROOT / "tests/support/gpu_image_dry_run.py"
 
 
 def in_the_image(*args: str) -> subprocess.CompletedProcess:
@@ -119,7 +119,7 @@ def stage_chunks(tmp_path: Path) -> Path:
 def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> None:
     """receive, launch, the daemon's every run (prebuild, cold, warm, no-autotune; the engines
     exit at once, so the fallback checkpoint's cold run follows), follow and table, under
-    `python -I` with the blocker: the toolkit step's import chain (tests/testbed/cuda_standin ->
+    `python -I` with the blocker: the toolkit step's import chain (tests/support/cuda_standin ->
     common) once reached pydantic there, and nothing host-free saw it."""
     work = stage_chunks(tmp_path)
     result = in_the_image(str(work))

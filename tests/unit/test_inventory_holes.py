@@ -19,7 +19,7 @@ from donorkit.inventory import pki
 from donorkit.inventory.fleet import FleetError, load_inventory
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.render.templates import render_edge_caddyfile
-from tests.unit.host_edit import put
+from tests.support.host_edit import put
 
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",
        "routes": {"hermes.ai.unturf.com": "qwen"}}

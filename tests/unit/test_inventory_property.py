@@ -192,7 +192,7 @@ def test_any_mutation_renders_or_exits_2_with_one_line() -> None:
 # plain ones, and hypothesis' own text. A value is refused with one line naming the file, or
 # accepted; every accepted value renders, for every host, to a Caddyfile that the real
 # `caddy adapt` reads back with exactly the sites, listeners, upstreams and files the data names
-# and the template's shape (tests/unit/rendered_shape.py), and to units with exactly the
+# and the template's shape (tests/support/rendered_shape.py), and to units with exactly the
 # template's lines.
 TB = yaml.safe_load((REPO_ROOT / "tests/testbed/donors.yml").read_text())
 STRING_BASE = {"overrides": dict(TB["overrides"], vllm_exl3_plugin={"path": "tests"}),
@@ -271,7 +271,7 @@ def place(doc: dict, target: tuple, value: str, where: tuple) -> dict:
 
 def test_every_string_field_is_refused_in_one_line_or_renders_as_data() -> None:
     from donorkit.inventory.fleet import FleetError, load_inventory
-    from tests.unit import rendered_shape as shape
+    from tests.support import rendered_shape as shape
 
     started, stats = time.monotonic(), {"cases": 0, "refused": 0, "rendered": 0}
     with tempfile.TemporaryDirectory() as tmp:

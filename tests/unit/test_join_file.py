@@ -24,7 +24,7 @@ from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import Pki, ca_fingerprint
 from donorkit.render import tunnel_files
 from pyinfra_declared.json_cases import plan, refusal_message
-from tests.unit.make import make
+from tests.support.make import make
 from tests.unit.test_tunnel import donors_file
 
 

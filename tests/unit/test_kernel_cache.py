@@ -25,7 +25,7 @@ from donorkit.box import kernel_cache, wheel_cache
 from donorkit.box.kernel_cache import EngineKernels, UnitKernels, keep_kernels, ship_kernels
 from donorkit.box.wheel_cache import WheelCacheError
 from pyinfra_declared.json_cases import CaseHost
-from tests.unit.wheels import make_tar
+from tests.support.wheels import make_tar
 
 VENV = {"vllm": "0.26.0", "torch": "2.11.0", "flashinfer-python": "0.6.14"}
 CUDA = {"nvcc": "13.3", "torch_cuda": "13.0"}

@@ -6,9 +6,11 @@ circle cannot hide behind an import made late. No private name (`_x`) crosses a 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from donorkit.inventory.paths import REPO_ROOT
+from tests.support import old_paths
 
 PACKAGE = REPO_ROOT / "donorkit"
 # The floor of each wing: a module may import its own wing's and the lower ones'. The modules
@@ -126,3 +128,92 @@ def test_no_private_name_crosses_a_module() -> None:
                     not node.attr.startswith("__"):
                 crossing.append(f"{name} uses {aliases[node.value.id]}.{node.attr}")
     assert not crossing, crossing
+
+
+# The shared test helpers (tests/support/): a package that bench/, gpu/ and tests/ import by
+# public names only, at its own path.
+SUPPORT = REPO_ROOT / "tests/support"
+
+
+def support_imports(path: Path, source: str | None = None
+                    ) -> list[tuple[str, list[str], list[str]]]:
+    """(tests.support module, names taken from it, attributes read through its alias) for every
+    import of one in a file (`source`: its text, else read); relative imports inside
+    tests/support resolved."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    modules = {p.stem for p in SUPPORT.glob("*.py")}
+    found: list[tuple[str, list[str], list[str]]] = []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if path.parent != SUPPORT:
+                    continue
+                base = f"tests.support.{base}".rstrip(".")
+            if not base.startswith("tests.support"):
+                continue
+            for alias in node.names:
+                if base == "tests.support" and alias.name in modules:
+                    aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+                    found.append((f"{base}.{alias.name}", [], []))
+                else:
+                    found.append((base, [alias.name], []))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("tests.support.") and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id in aliases:
+            found.append((aliases[node.value.id], [], [node.attr]))
+    return found
+
+
+def python_files() -> list[Path]:
+    return [path for folder in ("bench", "gpu", "tests", "pyinfra_declared")
+            for path in sorted((REPO_ROOT / folder).rglob("*.py"))]
+
+
+def test_the_test_helpers_cross_modules_by_public_names_only() -> None:
+    crossing = [f"{path.relative_to(REPO_ROOT)}: {source}.{name}"
+                for path in python_files()
+                for source, names, attrs in support_imports(path)
+                for name in [*names, *attrs]
+                if name.startswith("_") and not name.startswith("__")
+                and source != module_name(path)]
+    assert not crossing, crossing
+
+
+def test_the_test_helpers_are_imported_at_their_own_path() -> None:
+    """The old paths (tests.testbed.X, tests.unit.X: tests/support/old_paths.py) are for
+    branches written before the move; this repository's own code imports tests.support."""
+    moved = {f"{package}.{leaf}" for package, leaves in old_paths.MOVED.items()
+             for leaf in leaves}
+    old = []
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) and not node.level else [])
+            old += [f"{path.relative_to(REPO_ROOT)}: {n}" for n in names if n in moved]
+    assert not old, old
+
+
+def test_the_helpers_package_says_what_each_module_is() -> None:
+    import tests.support
+
+    listed = set(re.findall(r"^- (\w+): ", tests.support.__doc__ or "", re.M))
+    on_disk = {p.stem for p in SUPPORT.glob("*.py")} - {"__init__", "old_paths"}
+    assert listed == on_disk
+
+
+def test_the_helper_check_sees_a_private_name() -> None:
+    """Read from real imports: a name taken, an attribute read through an alias, a relative
+    import inside the package."""
+    source = ("from tests.support.hosts import _load\nfrom tests.support import hosts as bed\n"
+              "bed._save({})\nfrom .common import _private\n")
+    taken = support_imports(SUPPORT / "probe.py", source)
+    assert ("tests.support.hosts", ["_load"], []) in taken
+    assert ("tests.support.hosts", [], ["_save"]) in taken
+    assert ("tests.support.common", ["_private"], []) in taken

@@ -1,5 +1,5 @@
 """`make lock` (donorkit/commands/pin.py) against the testbed's STAND-IN for the Hugging Face hub
-(tests/testbed/hub_standin.py, a real HTTP server on loopback; huggingface.co cannot be reached
+(tests/support/hub_standin.py, a real HTTP server on loopback; huggingface.co cannot be reached
 from here), with the real huggingface_hub client; and the loader's refusal of a donor whose
 model has no revision, before any connection."""
 
@@ -21,7 +21,7 @@ import pytest
 from donorkit.commands import pin as lock
 from donorkit.inventory.fleet import FleetError, check_revisions, load_fleet
 from donorkit.inventory.paths import REPO_ROOT
-from tests.testbed.hub_standin import generate_checkpoint, make_servers
+from tests.support.hub_standin import generate_checkpoint, make_servers
 
 QWEN = "turboderp/Qwen3.8-27B-exl3"      # defaults.yml's qwen checkpoint
 OTHER = "standin/other-checkpoint"

@@ -8,7 +8,7 @@ import argparse
 from donorkit.commands.rollout_plan import Box, plan_batches, resume_command
 from donorkit.commands.transport import free_port, wait_until
 from donorkit.inventory.host_data import DonorBox, EdgeBox, Route, ServedModel, Site, Upstream
-from tests.unit.make import make
+from tests.support.make import make
 
 # Host data with only the fields the plan reads (model_construct: the rest is not needed here).
 MODELS = {m: ServedModel.model_construct(name=m, checkpoint=f"org/{m}") for m in ("qwen", "hermes")}

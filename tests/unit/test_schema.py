@@ -19,7 +19,7 @@ from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.pki import Pki, PkiError
 from donorkit.inventory.values import owned_option
 from donorkit.render.templates import render_host, render_unit
-from tests.unit.make import make
+from tests.support.make import make
 
 BIN = Path(sys.executable).parent
 BOX = {"ssh_host": "192.0.2.10", "ssh_user": "root", "card": "rtx4090",

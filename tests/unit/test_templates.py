@@ -17,7 +17,7 @@ import pytest
 from donorkit.inventory.fleet import DONORS_FILE, load_fleet, load_inventory
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.render.templates import render_caddyfile, render_host, render_unit, write_tree
-from tests.unit.host_edit import children, get, put
+from tests.support.host_edit import children, get, put
 
 VENV_CADDY = str(Path(sys.executable).parent / "caddy")
 DISTRO_CADDY = "/usr/bin/caddy"
@@ -336,7 +336,7 @@ def shown_leaves(node: object, text: str, path: tuple = ()) -> list[tuple]:
 
 @pytest.mark.parametrize("host", ["tb-4090", "tb-edge"])
 def test_no_value_writes_caddyfile_or_unit_syntax(tmp_path: Path, host: str) -> None:
-    from tests.unit import rendered_shape as shape
+    from tests.support import rendered_shape as shape
     fleet, edges = load_inventory(Path(__file__).resolve().parents[1] / "testbed/donors.yml")
     data = shape.in_tmp({**fleet, **edges}[host], tmp_path)
     caddyfile = shape.lay_out(data, tmp_path)[0]

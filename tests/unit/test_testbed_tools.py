@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from donorkit.commands.transport import wait_until
-from tests.testbed import common, containers, hosts, network, www
+from tests.support import common, containers, hosts, network, www
 
 
 @pytest.fixture

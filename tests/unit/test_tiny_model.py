@@ -19,8 +19,8 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from donorkit.inventory.paths import REPO_ROOT
-from tests.testbed import tiny_model
-from tests.testbed.hub_standin import make_servers
+from tests.support import tiny_model
+from tests.support.hub_standin import make_servers
 
 DONORS_CPU = REPO_ROOT / "tests/testbed/donors-cpu.yml"
 

@@ -28,7 +28,7 @@ from donorkit.inventory.paths import REPO_ROOT
 from donorkit.render import templates as render
 from donorkit.render import tunnel_files
 from pyinfra_declared.json_cases import plan, refusal_message
-from tests.unit.rendered_shape import adapt, in_tmp, lay_out
+from tests.support.rendered_shape import adapt, in_tmp, lay_out
 
 SOURCE = REPO_ROOT / "tests/testbed/donors-tunnel.yml"
 KEY_A = base64.b64encode(bytes(range(32))).decode()

@@ -19,8 +19,8 @@ from donorkit.box import box_operations, wheel_cache
 from donorkit.box.box_facts import CudaStack
 from donorkit.box.wheel_cache import Exllamav3Stack, WheelCacheError
 from donorkit.inventory.paths import REPO_ROOT
-from tests.unit import wheels
-from tests.unit.wheels import DIST_INFO, good_files, make_wheel
+from tests.support import wheels
+from tests.support.wheels import DIST_INFO, good_files, make_wheel
 
 WHEEL = "exllamav3-1.5.1-cp312-cp312-linux_x86_64.whl"
 # The inventory's cache builders in these tests, and a content check that passes anything: the

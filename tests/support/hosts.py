@@ -1,4 +1,4 @@
-"""Local test hosts: `python -m tests.testbed.hosts up|down|status` (from the repo root, as root).
+"""Local test hosts: `python -m tests.support.hosts up|down|status` (from the repo root, as root).
 
 Each host is a Debian 12 systemd-nspawn container (real systemd, sshd, apt, pip) in its own network
 namespace, on the bridge ucbr0 (10.213.0.1/24) with NAT out to the package mirrors. Stand-ins for
@@ -244,6 +244,30 @@ def _keyscan(host: Host, deadline: float, restart) -> str:
     return keys[0]
 
 
+def start_again(host: Host, timeout: float = READY_TIMEOUT) -> None:
+    """A host halted by containers.stop booted again from its root as it was (its host keys
+    too): back once its sshd answers and systemd is running. The state file records its new
+    nspawn, for `down`."""
+    host.pid = containers.boot(host.name, host.netns, again=True, tun=host.tun).pid
+    state = _load()
+    state["hosts"] = [asdict(host) if h.get("name") == host.name else h
+                      for h in state.get("hosts", [])]
+    _save(state)
+    deadline = time.monotonic() + timeout
+
+    def running() -> str | None:
+        left = max(5.0, deadline - time.monotonic())
+        state = ssh(host, "systemctl is-system-running --wait", check=False, timeout=left)
+        if state.stdout.strip() in ("running", "degraded"):
+            return None
+        return f"{host.name}: not back within {timeout:.0f} s ({state.stdout.strip()!r})"
+
+    why = wait_until(running, timeout, 0.5)
+    if why:
+        raise RuntimeError(why)
+    log(f"{host.name} ({host.ip}): booted again, sshd answers")
+
+
 def down(times: dict[str, float] | None = None) -> None:
     """Remove everything `up` made; idempotent, and every step runs even when one fails."""
     state = _load()
@@ -336,7 +360,7 @@ def _parse_hosts(specs: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.testbed.hosts", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tests.support.hosts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("hosts", nargs="*", metavar="NAME=IP",

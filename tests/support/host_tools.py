@@ -7,7 +7,7 @@ Each of `make test` and `make testbed` does its own set-up, as the README promis
 machine: this step (not the tests, which install nothing) apt-installs what is missing when it
 runs as root, saying so; otherwise it stops the make with the command that installs it.
 
-Usage: python -m tests.unit.host_tools [--install]   (from the repo root)
+Usage: python -m tests.support.host_tools [--install]   (from the repo root)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tests.testbed.common import apt_install_missing, missing_packages
+from tests.support.common import apt_install_missing, missing_packages
 
 # Debian package -> the command the unit tests run from it.
 NEEDED = {"caddy": "caddy", "systemd": "systemd-analyze"}

@@ -66,7 +66,7 @@ def start_http(www: Path = WWW, hub: Path = HUB) -> int:
     generate_checkpoint(hub / HUB_CHECKPOINT)
     tiny_model.write(hub / tiny_model.MODEL_ID)
     out = open(logs / "http.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.testbed.hub_standin", "--bind", GATEWAY,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.hub_standin", "--bind", GATEWAY,
                              "--port", str(PORT), "--cdn-port", str(CDN_PORT),
                              "--directory", str(www), "--hub-root", str(hub)],
                             cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
@@ -90,7 +90,7 @@ def start_http(www: Path = WWW, hub: Path = HUB) -> int:
 def is_http(cmdline: list[str]) -> bool:
     """Our server's command line: the hub stand-in (or an older run's http.server) serving
     exactly .testbed/www."""
-    return ("tests.testbed.hub_standin" in cmdline or "http.server" in cmdline) and \
+    return ("tests.support.hub_standin" in cmdline or "http.server" in cmdline) and \
         str(WWW) in cmdline
 
 

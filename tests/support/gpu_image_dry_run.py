@@ -1,5 +1,5 @@
 """Every step of gpu/engine_run.py (receive, launch, daemon, follow, table) run here with only what
-the lent GPU machine's image has: run as `python -I tests/unit/gpu_image_dry_run.py WORK`
+the lent GPU machine's image has: run as `python -I tests/support/gpu_image_dry_run.py WORK`
 (tests/unit/test_gpu_harness.py does), it refuses to import any module that is neither the
 standard library's nor this repository's (the image has no pydantic, no pyinfra, no yaml, no
 jinja2: the toolkit step once stopped there), then runs the steps against WORK (the stage

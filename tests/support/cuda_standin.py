@@ -125,8 +125,8 @@ def build_toolkit_deb(version: str) -> Path:
         root = Path(tmp)
         prefix = root / f"usr/local/cuda-{version}"
         for w in wheels:
-            _unpack_wheel(w, prefix)
-        _finish_layout(prefix, version)
+            unpack_wheel(w, prefix)
+        finish_layout(prefix, version)
         _put(root / "DEBIAN/control", control.encode(), 0o644)
         _put(root / "DEBIAN/postinst", _postinst(version).encode(), 0o755)
         _put(root / "DEBIAN/prerm", _prerm(version).encode(), 0o755)
@@ -172,7 +172,7 @@ def download_wheel(spec: str) -> Path:
 HEADERS_ONLY = ("nvidia_curand-",)
 
 
-def _unpack_wheel(wheel: Path, prefix: Path) -> None:
+def unpack_wheel(wheel: Path, prefix: Path) -> None:
     """nvidia/<any>/X -> prefix/X, with lib/ -> lib64/ (the toolkit's layout); keep exec bits."""
     headers_only = wheel.name.startswith(HEADERS_ONLY)
     with zipfile.ZipFile(wheel) as zf:
@@ -193,7 +193,7 @@ def _unpack_wheel(wheel: Path, prefix: Path) -> None:
             _put(prefix / rel, zf.read(info), mode | stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
 
 
-def _finish_layout(prefix: Path, version: str) -> None:
+def finish_layout(prefix: Path, version: str) -> None:
     major = version.split(".")[0]
     lib64 = prefix / "lib64"
     # Linking -lcudart needs the unversioned name, as in NVIDIA's packages.

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pydantic: the GPU image's python has none, and gpu/ imports
 
 # Everything the testbed makes lives here (git-ignored), so a `rm -rf .testbed` is a full reset.
 WORK = REPO_ROOT / ".testbed"
-STANDINS = Path(__file__).resolve().parent / "standins"
+STANDINS = REPO_ROOT / "tests/testbed/standins"
 APT_OPTS = ["-o", "DPkg::Lock::Timeout=600"]
 
 

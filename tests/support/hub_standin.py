@@ -1,6 +1,6 @@
 """STAND-IN (test double) for the Hugging Face Hub: huggingface.co cannot be reached from here.
 
-The testbed's HTTP server (`python -m tests.testbed.hub_standin`), which also serves the testbed's
+The testbed's HTTP server (`python -m tests.support.hub_standin`), which also serves the testbed's
 static files (`--directory`, what `python -m http.server` served before). It answers the requests
 the REAL huggingface_hub client (pyproject.toml pins the version read) makes for
 `snapshot_download` when pointed at it with `HF_ENDPOINT` / `endpoint=`:
