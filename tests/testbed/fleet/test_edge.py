@@ -42,7 +42,7 @@ def test_edge_converged_rerun_changes_nothing(hosts: dict[str, Host]) -> None:
     # Only the edge's own task files ran there (deploy.py includes the donors' for `donors`).
     ran = [op["name"] for op in report["results"]["operations"]
            if EDGE in op["success"] + op["no_change"] + op["error"]]
-    assert ran and all(name.startswith(("Caddy repository | ", "Edge Caddy | ",
+    assert ran and all(name.startswith(("Caddy repository | ", "Edge Caddy | ", "Edge canary | ",
                                          "Toolkit version | ")) for name in ran), ran
     assert unit_start(hosts[EDGE], "caddy") == before
 

@@ -1,4 +1,4 @@
-"""Issue 35 on the testbed: the canaries' reference recorded on the trusted builder (tb-4090,
+"""The canaries on the testbed: their reference recorded on the trusted builder (tb-4090,
 `donors reference`), shipped to tb-edge by its deploy; tb-edge's canary runner
 (files/edge_canary.py, a round every 5 s in the testbed's inventory, out after 2 failed rounds,
 back after 2 passed) keeps an honest donor in through a restart of its model, takes tb-4090b out
@@ -7,10 +7,9 @@ answer-as file: the same model id, other tokens), with 0 failed client requests 
 meanwhile (tb-4090 carries the hostname), keeps it out through a `systemctl reload caddy`, and
 brings it back once fixed; `donors status --json` shows the verdicts.
 
-What it needs from the testbed (the `hosts` fixture of test_e2e.py, borrowed below until the
-scenario layout gives it a shared home): tb-4090, tb-4090b and tb-edge started. It deploys the
-three itself first (a no-op when an earlier module already converged them). It leaves the fleet
-as it found it: the answer-as file removed, both donors in.
+On the converged fleet (conftest.py): it deploys tb-4090, tb-4090b and tb-edge first (a no-op
+on a converged fleet but for the reference shipped to the edge). It leaves the fleet as it found
+it, but for the edge's reference: the answer-as file removed, both donors in.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ from donorkit.inventory.fleet import load_inventory
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.inventory.values import duration_seconds
 from donorkit.render.canary_files import reference_path
-from tests.testbed import test_e2e
-from tests.testbed.hosts import Host, ssh
-from tests.testbed.test_e2e import (
+from tests.support.hosts import Host, ssh
+from tests.testbed.fleet.helpers import (
     BIN,
     DONORS,
     EDGE,
@@ -39,13 +37,11 @@ from tests.testbed.test_e2e import (
     HOSTNAME,
     PKI,
     SECOND,
+    TIMES,
     changed_ops,
     deploy,
     loop_seqs,
 )
-
-# The testbed's fixture (hosts started, torn down after the module).
-hosts = test_e2e.hosts
 
 STATE = "/var/lib/uncloseai-canary/state.json"
 ANSWER_AS = "/etc/vllm-standin/answer-as"
@@ -126,7 +122,7 @@ class Loop:
 
 def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
         hosts: dict[str, Host]) -> None:
-    rc, _, log = deploy("--limit", GOOD, "--limit", SECOND, "--limit", EDGE)
+    rc, _, log, _ = deploy("--limit", GOOD, "--limit", SECOND, "--limit", EDGE)
     assert rc == 0, log[-4000:]
     # Not a trusted builder (tb-3090: cache_builder false): one line, nothing asked.
     refused = donors_cli("reference", "--limit", "tb-3090")
@@ -145,7 +141,7 @@ def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
     assert len(doc["prompts"]) == 6 and all(p["tokens"] and len(p["tokens"]) == len(
         p["logprobs"]) for p in doc["prompts"])
     # The edge's deploy ships it: both members judged against it from the next round on.
-    rc, _, log = deploy("--limit", EDGE)
+    rc, _, log, _ = deploy("--limit", EDGE)
     assert rc == 0, log[-4000:]
     config = json.loads(ssh(hosts[EDGE], "cat /etc/uncloseai/canary/canary.json").stdout)
     [site] = config["sites"]
@@ -157,7 +153,7 @@ def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
     assert all(state[d]["reference"] == "rtx4090-cuda13.3-vllm0.26.0" for d in (GOOD, SECOND))
     print(f"both donors judged 'in' {took:.1f} s after the edge's deploy")
     # A second edge deploy changes nothing (the reference file is the same).
-    rc, report, log = deploy("--limit", EDGE)
+    rc, report, log, _ = deploy("--limit", EDGE)
     assert rc == 0 and changed_ops(report, EDGE) == [], changed_ops(report, EDGE)
 
 
@@ -216,8 +212,8 @@ def test_a_wrong_donor_is_out_within_the_stated_time_and_back_with_no_failed_req
               f"the edge, {len(loop.failed())} failed, {len(while_out)} reached it while out, "
               f"{len(after)} after it came back")
         print(journal)
-        test_e2e.TIMES["canary: wrong donor out"] = took_out
-        test_e2e.TIMES["canary: fixed donor back"] = took_back
+        TIMES["canary: wrong donor out"] = took_out
+        TIMES["canary: fixed donor back"] = took_back
         assert loop.failed() == [], loop.failed()
         assert while_out == [], while_out
         assert after, f"{SECOND} got no client request after it came back"
