@@ -1,0 +1,146 @@
+"""files/canary.py against what the testbed's real vLLM CPU engine answered (issue 35): the
+answers bench/canary_spread.py recorded (tests/unit/canary_recorded/, its run of 2026-12-03:
+bench/results/canary_spread-2026-12-03.txt) under honest settings pass with the thresholds that
+run recommends, a wrong checkpoint's fail; and parse_answer refuses each kind of hostile answer
+(a donor's answer is untrusted input) with its one reason."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from files import canary
+from files.canary import Answer, BadAnswer, parse_answer
+
+RECORDED = Path(__file__).parent / "canary_recorded"
+
+
+def completion(tokens: list, logprobs: list, model: object = "uncloseai-testbed/tiny-qwen3",
+               **extra: object) -> dict:
+    """An OpenAI completions answer of vLLM's shape, with `logprobs: 1`."""
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
+            "choices": [{"index": 0, "text": "".join(t for t in tokens if isinstance(t, str)),
+                         "logprobs": {"tokens": tokens, "token_logprobs": logprobs,
+                                      "text_offset": list(range(len(tokens))),
+                                      "top_logprobs": [{} for _ in tokens]},
+                         "finish_reason": "length", **extra}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens)}}
+
+
+def raw(doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+# --- parse_answer: a well-formed answer, then one refusal per kind of hostile answer -----------
+
+def test_a_well_formed_answer_is_read() -> None:
+    got = parse_answer(raw(completion([" Paris", ".", ""], [-0.5, -1, -2.25])))
+    assert got == Answer("uncloseai-testbed/tiny-qwen3", (" Paris", ".", ""), (-0.5, -1.0, -2.25))
+    assert all(isinstance(v, float) for v in got.logprobs)
+
+
+def test_refuses_an_oversized_answer() -> None:
+    padded = completion(["a"], [-1.0], padding="x" * canary.ANSWER_LIMIT)
+    with pytest.raises(BadAnswer, match=f"answer over {canary.ANSWER_LIMIT} bytes"):
+        parse_answer(raw(padded))
+
+
+def test_refuses_what_is_not_json() -> None:
+    with pytest.raises(BadAnswer, match=r"not a completion with log-probabilities \(JSONDecode"):
+        parse_answer(b"<html>502 Bad Gateway</html>")
+
+
+@pytest.mark.parametrize("drop", ["model", "choices", "logprobs", "tokens", "token_logprobs"])
+def test_refuses_an_answer_missing_a_field(drop: str) -> None:
+    doc = completion(["a"], [-1.0])
+    choice = doc["choices"][0]
+    if drop in ("model", "choices"):
+        del doc[drop]
+    elif drop == "logprobs":
+        choice["logprobs"] = None  # what vLLM sends when the request asked for none
+    else:
+        del choice["logprobs"][drop]
+    with pytest.raises(BadAnswer, match="not a completion with log-probabilities"):
+        parse_answer(raw(doc))
+
+
+def test_refuses_an_answer_with_no_choice() -> None:
+    doc = completion(["a"], [-1.0])
+    doc["choices"] = []
+    with pytest.raises(BadAnswer, match=r"not a completion with log-probabilities \(IndexError"):
+        parse_answer(raw(doc))
+
+
+def test_refuses_a_top_level_of_the_wrong_type() -> None:
+    with pytest.raises(BadAnswer, match=r"not a completion with log-probabilities \(TypeError"):
+        parse_answer(raw(["model", "choices"]))
+
+
+@pytest.mark.parametrize("model", [None, 7, ["a"], "", "m" * 201])
+def test_refuses_a_model_that_is_not_a_short_string(model: object) -> None:
+    with pytest.raises(BadAnswer, match="its model is not a short string"):
+        parse_answer(raw(completion(["a"], [-1.0], model=model)))
+
+
+@pytest.mark.parametrize("tokens, logprobs", [
+    ("abc", [-1.0, -1.0, -1.0]),          # a string, not a list of tokens
+    (["a"], {"0": -1.0}),                  # log-probabilities not a list
+    (["a", "b"], [-1.0]),                  # one short
+    ([], []),                              # no token at all
+], ids=["tokens-a-string", "logprobs-a-dict", "lengths-differ", "empty"])
+def test_refuses_token_lists_of_the_wrong_shape(tokens: object, logprobs: object) -> None:
+    with pytest.raises(BadAnswer, match=f"not 1 to {canary.MAX_TOKENS} tokens"):
+        parse_answer(raw(completion(tokens, logprobs)))
+
+
+def test_refuses_too_many_tokens() -> None:
+    n = canary.MAX_TOKENS + 1
+    with pytest.raises(BadAnswer, match=f"not 1 to {canary.MAX_TOKENS} tokens"):
+        parse_answer(raw(completion(["a"] * n, [-1.0] * n)))
+    assert len(parse_answer(raw(completion(["a"] * n, [-1.0] * n)), max_tokens=n).tokens) == n
+
+
+@pytest.mark.parametrize("token", [5, None, ["a"], "t" * (canary.TOKEN_LIMIT + 1)],
+                         ids=["int", "null", "list", "oversized"])
+def test_refuses_a_token_that_is_not_a_short_string(token: object) -> None:
+    with pytest.raises(BadAnswer, match="a token is not a short string"):
+        parse_answer(raw(completion(["a", token], [-1.0, -1.0])))
+
+
+@pytest.mark.parametrize("value", ["-1.0", None, [-1.0], {"v": -1}], ids=str)
+def test_refuses_a_logprob_of_the_wrong_type(value: object) -> None:
+    with pytest.raises(BadAnswer, match="a log-probability is not a number"):
+        parse_answer(raw(completion(["a", "b"], [-1.0, value])))
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_refuses_a_bool_as_a_number(value: bool) -> None:
+    with pytest.raises(BadAnswer, match="a log-probability is not a number"):
+        parse_answer(raw(completion(["a"], [value])))
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
+def test_refuses_nan_and_infinities(text: str) -> None:
+    # Python's json writes and reads these bare words; a hostile server may send them.
+    body = raw(completion(["a"], [-1.0])).replace(b"[-1.0]", f"[{text}]".encode())
+    with pytest.raises(BadAnswer, match=r"a log-probability of .*\(a finite number <= 0 is one\)"):
+        parse_answer(body)
+
+
+@pytest.mark.parametrize("value", [0.5, 1, 1e300])
+def test_refuses_a_positive_logprob(value: float) -> None:
+    with pytest.raises(BadAnswer, match=re.escape(f"a log-probability of {value!r} (")):
+        parse_answer(raw(completion(["a"], [value])))
+    assert parse_answer(raw(completion(["a"], [0]))).logprobs == (0.0,)  # probability 1: fine
+
+
+def test_refuses_a_huge_number() -> None:
+    # 1e999 reads as inf in Python's json: refused as not finite, not as an overflow traceback.
+    body = raw(completion(["a"], [-1.0])).replace(b"[-1.0]", b"[-1e999]")
+    with pytest.raises(BadAnswer, match="a log-probability of -inf"):
+        parse_answer(body)
+    assert not math.isfinite(json.loads("-1e999"))
