@@ -144,3 +144,41 @@ def test_refuses_a_huge_number() -> None:
     with pytest.raises(BadAnswer, match="a log-probability of -inf"):
         parse_answer(body)
     assert not math.isfinite(json.loads("-1e999"))
+
+
+# --- score and verdict on hand-made answers ----------------------------------------------------
+
+def answer(tokens: str, *logprobs: float) -> Answer:
+    return Answer("m", tuple(tokens), tuple(logprobs))
+
+
+def test_agreement_stops_at_the_first_different_token() -> None:
+    ref = [answer("abcd", -1, -2, -3, -4), answer("xy", -1, -1)]
+    got = [answer("abXd", -1.5, -2, -9, -4), answer("xy", -1, -1.25)]
+    s = canary.score(ref, got)
+    # a, b of the first (d after the difference does not count), x, y of the second
+    assert (s.matched, s.total) == (4, 6) and s.agree == pytest.approx(4 / 6)
+    assert s.gap == pytest.approx((0.5 + 0 + 0 + 0.25) / 4)
+
+
+def test_a_shorter_answer_matches_only_what_it_has() -> None:
+    s = canary.score([answer("abcd", -1, -1, -1, -1)], [answer("ab", -1, -1)])
+    assert (s.matched, s.agree, s.gap) == (2, 0.5, 0.0)
+
+
+def test_nothing_matched_has_an_infinite_gap() -> None:
+    s = canary.score([answer("ab", -1, -1)], [answer("ba", -1, -1)])
+    assert s.agree == 0 and s.gap == math.inf
+    assert "0 of 2 reference tokens agreed" in canary.verdict(s, 0.5, 1.0)
+
+
+def test_answers_for_other_prompts_are_refused() -> None:
+    with pytest.raises(ValueError, match="1 answers for 2 reference prompts"):
+        canary.score([answer("a", -1)] * 2, [answer("a", -1)])
+
+
+def test_verdict_names_the_failing_measure() -> None:
+    close = canary.Score(agree=1.0, gap=0.01, matched=8, total=8)
+    far = canary.Score(agree=1.0, gap=0.4, matched=8, total=8)
+    assert canary.verdict(close, 0.9, 0.05) is None
+    assert canary.verdict(far, 0.9, 0.05) == "log-probabilities 0.400 apart on average (> 0.05)"
