@@ -12,15 +12,19 @@ PROMPT's request_body, the answer read by parse_answer) is sent on the box to:
 - honest: the deployed unit (the reference, then again), the same unit under concurrent load
   (long generations running while the canary goes), after each of 2 restarts; then, the unit
   stopped, extra `vllm serve` processes of the deployed venv as the service user (systemd-run),
-  the unit's own command line with one setting changed: --dtype float32 instead of bfloat16,
-  --max-num-seqs 2 --max-num-batched-tokens 8192, prefix caching off;
+  the unit's own command line with one setting changed: --dtype float32 or float16 instead of
+  bfloat16, --max-num-seqs 2 --max-num-batched-tokens 8192, prefix caching off, an fp8 KV cache
+  (--kv-cache-dtype fp8: the issue's "fp8 KV on a 3090");
 - wrong: the same architecture and tokenizer with another seed (another checkpoint), the testbed
-  checkpoint's weights with 0.1%, 1% and 10% noise (another revision), random weights of another
+  checkpoint's weights with 0.1%, 1%, 3% and 10% noise (another revision), random weights of another
   shape (tests/testbed/tiny_model.write_variant; copied onto the box, served under the
   checkpoint's own name, as a cheating donor would).
 Each case is scored against the reference with files/canary.score; printed: agree and gap per run
 (median and range where repeated), then thresholds with the margin on each side. --record DIR
 writes each run's parsed answers there (JSON; tests/unit/test_canary_compare.py reads them).
+A second run on a fresh host with `--reference DIR/reference-1.json` scores against the first's
+reference (its own first answers are then case fresh-deploy: another deploy of the same
+revision); `--serves` and `--restarts` pick fewer cases.
 """
 
 from __future__ import annotations
@@ -58,9 +62,12 @@ SERVES: dict[str, tuple[str, dict[str, str | None], dict | None]] = {
     "max-num-seqs-2": ("honest", {"--max-num-seqs": "2", "--max-num-batched-tokens": "8192"},
                        None),
     "prefix-caching-off": ("honest", {"--no-enable-prefix-caching": None}, None),
+    "dtype-float16": ("honest", {"--dtype": "float16"}, None),
+    "kv-cache-fp8": ("honest", {"--kv-cache-dtype": "fp8"}, None),
     "other-seed": ("wrong", {}, {"seed": tiny_model.SEED + 1}),
     "noise-0.1pct": ("wrong", {}, {"noise": 0.001}),
     "noise-1pct": ("wrong", {}, {"noise": 0.01}),
+    "noise-3pct": ("wrong", {}, {"noise": 0.03}),
     "noise-10pct": ("wrong", {}, {"noise": 0.10}),
     "other-shape": ("wrong", {}, {"seed": tiny_model.SEED + 2,
                                   "shape": {"num_hidden_layers": 3, "intermediate_size": 384}}),
@@ -95,6 +102,13 @@ def wait_ready(box: Host, port: int, model: str, started: float, alive: str) -> 
             raise RuntimeError(f"the engine on port {port} is gone: {got.stdout[-300:]}")
         time.sleep(2)
     raise RuntimeError(f"no engine on port {port} after {READY_TIMEOUT:.0f} s")
+
+
+def running_requests(box: Host, port: int) -> str:
+    """vllm:num_requests_running, as the engine's /metrics says it."""
+    got = ssh(box, f"curl -s http://127.0.0.1:{int(port)}/metrics | "
+              "grep '^vllm:num_requests_running'", check=False).stdout.split()
+    return got[-1] if got else "?"
 
 
 def with_flags(argv: list[str], flags: dict[str, str | None]) -> list[str]:
@@ -139,10 +153,16 @@ def extra_serve(box: Host, data, name: str, flags: dict, variant: dict | None) -
 
 
 
+def load_answers(path: Path) -> list[canary.Answer]:
+    """A recording's answers (the JSON Run.case writes)."""
+    return [canary.Answer(a["model"], tuple(a["tokens"]), tuple(a["logprobs"]))
+            for a in json.loads(path.read_text())["answers"]]
+
+
 class Run:
-    def __init__(self, record: Path | None) -> None:
+    def __init__(self, record: Path | None, reference: Path | None) -> None:
         self.record = record
-        self.ref: list[canary.Answer] = []
+        self.ref: list[canary.Answer] = load_answers(reference) if reference else []
         self.results: dict[str, tuple[str, list[canary.Score]]] = {}
 
     def case(self, name: str, kind: str, answers: list[canary.Answer], note: str = "") -> None:
@@ -151,6 +171,8 @@ class Run:
         s = canary.score(self.ref, answers)
         self.results.setdefault(name, (kind, []))[1].append(s)
         n = len(self.results[name][1])
+        while self.record and (self.record / f"{name}-{n}.json").exists():
+            n += 1  # an earlier run's recording: this one is the next
         print(f"{kind:6} {name:22} #{n}: agree {s.agree:.3f} ({s.matched}/{s.total}) "
               f"gap {s.gap:.4f}{'  ' + note if note else ''}", flush=True)
         if self.record:
@@ -184,6 +206,9 @@ def main() -> None:
     parser.add_argument("--serves", default=",".join(SERVES),
                         help=f"extra serves to run, of: {','.join(SERVES)}")
     parser.add_argument("--restarts", type=int, default=2)
+    parser.add_argument("--reference", type=Path,
+                        help="score against this recording (an earlier run's reference-1.json) "
+                        "instead of this run's first answers, which become case fresh-deploy")
     args = parser.parse_args()
     serves = [s for s in args.serves.split(",") if s]
     unknown = set(serves) - set(SERVES)
@@ -191,7 +216,7 @@ def main() -> None:
         parser.error(f"unknown serves: {sorted(unknown)}")
     data = load_fleet(DONORS)[NAME]
     model = data.models["tiny"]
-    run = Run(args.record)
+    run = Run(args.record, args.reference)
     times: dict[str, float] = {}
     with bed.testbed([(NAME, IP)], times=times) as [box]:
         cpu_engine.prepare(www.WWW)
@@ -214,28 +239,37 @@ def main() -> None:
             f"{f} {'yes' if f in helped else 'NO'}" for f in used))
         port, checkpoint = int(model.port), model.checkpoint
         alive = f"systemctl is-active -q {UNIT}"
-        run.case("reference", "honest", ask(box, port, checkpoint))
+        run.case("fresh-deploy" if args.reference else "reference", "honest",
+                 ask(box, port, checkpoint))
         for _ in range(2):
             run.case("repeat", "honest", ask(box, port, checkpoint))
         for _ in range(2):
+            # Long generations (cut at 90 s by curl) running while the canary goes: proved by
+            # the engine's own running count before and after it, and by each load request still
+            # being in flight when the canary's last answer came.
             load = [subprocess.Popen(
-                [*bed.ssh_command(box), "curl -s -o /dev/null -H 'Content-Type: application/json'"
-                 f" --data-binary @- http://127.0.0.1:{port}/v1/completions"],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL) for _ in range(3)]
+                [*bed.ssh_command(box), "curl -s --max-time 90 -o /dev/null -w '%{http_code}' "
+                 "-H 'Content-Type: application/json' --data-binary @- "
+                 f"http://127.0.0.1:{port}/v1/completions"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
             for i, proc in enumerate(load):
                 body = json.dumps({"model": checkpoint, "prompt": f"load {i} " * 20,
-                                   "max_tokens": 400, "ignore_eos": True, "temperature": 0.7})
-                proc.stdin.write(body.encode())
+                                   "max_tokens": 3000, "ignore_eos": True, "temperature": 0.7})
+                proc.stdin.write(body)
                 proc.stdin.close()
-            time.sleep(3)
-            running = ssh(box, f"curl -s http://127.0.0.1:{port}/metrics | "
-                          "grep '^vllm:num_requests_running'", check=False).stdout.strip()
+            time.sleep(5)
+            before = running_requests(box, port)
             answers = ask(box, port, checkpoint)
+            after = running_requests(box, port)
+            in_flight = sum(proc.poll() is None for proc in load)
+            ended = [proc.stdout.read() for proc in load if proc.poll() is not None]
             for proc in load:
                 proc.kill()
                 proc.wait()
             run.case("concurrent-load", "honest", answers,
-                     f"(3 generations of 400 tokens beside it; {running.split()[-1:]} running)")
+                     f"(3 generations of up to 3000 tokens beside it: engine running {before} "
+                     f"before the canary, {after} after; {in_flight} of 3 still in flight at its "
+                     f"end{'; ended: ' + ' '.join(ended) if ended else ''})")
         for _ in range(args.restarts):
             started = time.monotonic()
             ssh(box, f"systemctl restart {UNIT}")
