@@ -13,14 +13,16 @@ PROMPT's request_body, the answer read by parse_answer) is sent on the box to:
   (long generations running while the canary goes), after each of 2 restarts; then, the unit
   stopped, extra `vllm serve` processes of the deployed venv as the service user (systemd-run),
   the unit's own command line with one setting changed: --dtype float32 or float16 instead of
-  bfloat16, --max-num-seqs 2 --max-num-batched-tokens 8192, prefix caching off, an fp8 KV cache
+  bfloat16, --max-num-seqs 2 --max-num-batched-tokens 8192, prefix caching off; and, apart
+  (kind `stack`: another card stack, which has a reference of its own), an fp8 KV cache
   (--kv-cache-dtype fp8: the issue's "fp8 KV on a 3090");
 - wrong: the same architecture and tokenizer with another seed (another checkpoint), the testbed
-  checkpoint's weights with 0.1%, 1%, 3% and 10% noise (another revision), random weights of another
-  shape (tests/testbed/tiny_model.write_variant; copied onto the box, served under the
+  checkpoint's weights with 0.1%, 1%, 3% and 10% noise (another revision), random weights of
+  another shape (tests/testbed/tiny_model.write_variant; copied onto the box, served under the
   checkpoint's own name, as a cheating donor would).
 Each case is scored against the reference with files/canary.score; printed: agree and gap per run
-(median and range where repeated), then thresholds with the margin on each side. --record DIR
+(median and range where repeated), then the honest extremes and each wrong case's closest run
+(the thresholds chosen from them: docs/benchmarks.md). --record DIR
 writes each run's parsed answers there (JSON; tests/unit/test_canary_compare.py reads them).
 A second run on a fresh host with `--reference DIR/reference-1.json` scores against the first's
 reference (its own first answers are then case fresh-deploy: another deploy of the same
@@ -63,7 +65,9 @@ SERVES: dict[str, tuple[str, dict[str, str | None], dict | None]] = {
                        None),
     "prefix-caching-off": ("honest", {"--no-enable-prefix-caching": None}, None),
     "dtype-float16": ("honest", {"--dtype": "float16"}, None),
-    "kv-cache-fp8": ("honest", {"--kv-cache-dtype": "fp8"}, None),
+    # Another card stack (an fp8 KV cache is a card profile's setting): honest, but judged
+    # against a reference of its own; printed apart from the honest spread.
+    "kv-cache-fp8": ("stack", {"--kv-cache-dtype": "fp8"}, None),
     "other-seed": ("wrong", {}, {"seed": tiny_model.SEED + 1}),
     "noise-0.1pct": ("wrong", {}, {"noise": 0.001}),
     "noise-1pct": ("wrong", {}, {"noise": 0.01}),
@@ -195,6 +199,10 @@ class Run:
         low_agree = min(s.agree for s in honest)
         high_gap = max(s.gap for s in honest)
         print(f"\nhonest: lowest agree {low_agree:.3f}, highest gap {high_gap:.4f}")
+        for name, ss in self.results.items():
+            if ss[0] == "stack":
+                print(f"another stack {name}: lowest agree {min(s.agree for s in ss[1]):.3f}, "
+                      f"highest gap {max(s.gap for s in ss[1]):.4f}")
         for name, ss in wrong.items():
             print(f"wrong {name}: highest agree {max(s.agree for s in ss):.3f}, lowest gap "
                   f"{min(s.gap for s in ss):.4f}")
@@ -244,32 +252,31 @@ def main() -> None:
         for _ in range(2):
             run.case("repeat", "honest", ask(box, port, checkpoint))
         for _ in range(2):
-            # Long generations (cut at 90 s by curl) running while the canary goes: proved by
-            # the engine's own running count before and after it, and by each load request still
-            # being in flight when the canary's last answer came.
-            load = [subprocess.Popen(
-                [*bed.ssh_command(box), "curl -s --max-time 90 -o /dev/null -w '%{http_code}' "
-                 "-H 'Content-Type: application/json' --data-binary @- "
-                 f"http://127.0.0.1:{port}/v1/completions"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
-            for i, proc in enumerate(load):
+            # Generations running back to back (3 loops, each one request after the other,
+            # until told to stop) while the canary goes: proved by the engine's own running count
+            # before and after it, and by each loop's count of answered requests.
+            stop = "/tmp/canary-load-stop"
+            ssh(box, f"rm -f {stop}")
+            load = []
+            for i in range(3):
                 body = json.dumps({"model": checkpoint, "prompt": f"load {i} " * 20,
-                                   "max_tokens": 3000, "ignore_eos": True, "temperature": 0.7})
-                proc.stdin.write(body)
-                proc.stdin.close()
+                                   "max_tokens": 1000, "ignore_eos": True, "temperature": 0.7})
+                loop = (f"n=0; while [ ! -e {stop} ]; do curl -sf --max-time 60 -o /dev/null "
+                        f"-H 'Content-Type: application/json' -d {shlex.quote(body)} "
+                        f"http://127.0.0.1:{port}/v1/completions && n=$((n+1)); done; echo $n")
+                load.append(subprocess.Popen([*bed.ssh_command(box), loop],
+                                             stdout=subprocess.PIPE, text=True))
             time.sleep(5)
             before = running_requests(box, port)
             answers = ask(box, port, checkpoint)
             after = running_requests(box, port)
             in_flight = sum(proc.poll() is None for proc in load)
-            ended = [proc.stdout.read() for proc in load if proc.poll() is not None]
-            for proc in load:
-                proc.kill()
-                proc.wait()
+            ssh(box, f"touch {stop}")
+            answered = [proc.communicate(timeout=120)[0].strip() for proc in load]
             run.case("concurrent-load", "honest", answers,
-                     f"(3 generations of up to 3000 tokens beside it: engine running {before} "
-                     f"before the canary, {after} after; {in_flight} of 3 still in flight at its "
-                     f"end{'; ended: ' + ' '.join(ended) if ended else ''})")
+                     f"(3 loops of 1000-token generations beside it: engine running {before} "
+                     f"before the canary, {after} after; {in_flight} of 3 loops still going at "
+                     f"its end; they answered {'+'.join(answered)} requests)")
         for _ in range(args.restarts):
             started = time.monotonic()
             ssh(box, f"systemctl restart {UNIT}")
