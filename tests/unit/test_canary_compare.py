@@ -213,7 +213,7 @@ WRONG = sorted(n for n, (kind, _) in RECORDINGS.items() if kind == "wrong"
 
 def test_the_recordings_cover_the_measured_cases() -> None:
     cases = {n.rsplit("-", 1)[0] for n in RECORDINGS}
-    assert {"repeat", "restart", "fresh-deploy", "dtype-float32",
+    assert {"repeat", "concurrent-load", "restart", "fresh-deploy", "dtype-float32",
             "dtype-float16", "max-num-seqs-2", "prefix-caching-off", "kv-cache-fp8"} <= cases, \
         cases
     assert {"other-seed", "noise-3pct", "noise-10pct", "other-shape"} <= cases, cases
