@@ -16,6 +16,10 @@ The tokenizer is byte-level with no merges: one token per byte of text (plus the
 so a prompt's token count is known from its length (the acceptance run sizes long prompts by it).
 
     python -m tests.support.tiny_model OUT_DIR      # writes the checkpoint, prints its revision
+
+write_variant makes checkpoints that are NOT this one, for the canary's wrong-model cases
+(bench/canary_spread.py): another seed (another checkpoint of the same shape and tokenizer), this
+one's weights with noise added (another revision), or another shape.
 """
 
 from __future__ import annotations
@@ -136,8 +140,7 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    c = CONFIG
+def _weights(rng: np.random.Generator, c: dict = CONFIG) -> dict[str, np.ndarray]:
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
 
@@ -173,6 +176,30 @@ def write(out: Path) -> str:
     save_file(_weights(np.random.default_rng(SEED)), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the files are public
+    return revision(out)
+
+
+def write_variant(out: Path, seed: int = SEED, noise: float = 0.0,
+                  shape: dict | None = None) -> str:
+    """A checkpoint other than the testbed's, written into `out` (emptied first): the weights of
+    `seed` with the config's keys in `shape` changed, then `noise` times each tensor's RMS of
+    Gaussian noise added (its own fixed seed: the same bytes every run). Returns its revision."""
+    config = {**CONFIG, **(shape or {})}
+    tensors = _weights(np.random.default_rng(seed), config)
+    if noise:
+        rng = np.random.default_rng((seed, 1))
+        for name, value in tensors.items():
+            exact = value.astype(np.float32)
+            rms = float(np.sqrt(np.mean(exact * exact)))
+            tensors[name] = (exact + rng.standard_normal(exact.shape) * noise * rms
+                             ).astype(np.float16)
+    if (seed, noise, shape) == (SEED, 0.0, None):
+        raise ValueError("that is the testbed's own checkpoint: tiny_model.write makes it")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    write_text_files(out, config)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
     return revision(out)
 
 

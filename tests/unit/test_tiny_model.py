@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import jinja2
+import pytest
 import yaml
 from huggingface_hub import try_to_load_from_cache
 from safetensors.numpy import load_file
@@ -50,6 +51,33 @@ def test_config_and_weights_agree(tmp_path: Path) -> None:
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.get_vocab_size() <= config["vocab_size"]
     assert config["eos_token_id"] == tok.token_to_id("<|im_end|>")
+
+
+
+def test_variants_are_other_checkpoints_with_the_same_tokenizer(tmp_path: Path) -> None:
+    """The canary's wrong models (bench/canary_spread.py): another seed, the same weights with
+    noise, another shape; each its own revision, the same tokenizer, the same bytes every run."""
+    own = tiny_model.write(tmp_path / "own")
+    base = load_file(str(tmp_path / "own/model.safetensors"))
+    seen = {own}
+    for name, kw in {"seed": {"seed": tiny_model.SEED + 1}, "noise": {"noise": 0.01},
+                     "shape": {"seed": 7, "shape": {"num_hidden_layers": 3}}}.items():
+        rev = tiny_model.write_variant(tmp_path / name, **kw)
+        assert rev == tiny_model.write_variant(tmp_path / f"{name}-again", **kw), name
+        assert rev not in seen, name
+        seen.add(rev)
+        assert (tmp_path / name / "tokenizer.json").read_bytes() == \
+            (tmp_path / "own/tokenizer.json").read_bytes()
+        tensors = load_file(str(tmp_path / name / "model.safetensors"))
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["num_hidden_layers"] == (3 if name == "shape" else 2)
+        if name == "noise":  # the same weights, 1% of each tensor's RMS apart
+            for key, value in base.items():
+                diff = tensors[key].astype("float32") - value.astype("float32")
+                rms = float((value.astype("float32") ** 2).mean() ** 0.5)
+                assert 0.005 * rms < float((diff ** 2).mean() ** 0.5) < 0.02 * rms, key
+    with pytest.raises(ValueError, match="the testbed's own checkpoint"):
+        tiny_model.write_variant(tmp_path / "x")
 
 
 def test_tokenizer_bytes_and_tool_tags(tmp_path: Path) -> None:
