@@ -219,7 +219,9 @@ def check_member(config: dict, site: dict, upstream: dict, context: ssl.SSLConte
     expected = [canary.Answer(checkpoint, tuple(p["tokens"]), tuple(p["logprobs"]))
                 for p in reference["prompts"]]
     scored = canary.score(expected, answers)
-    why = canary.verdict(scored, config["min_agree"], config["max_logprob_gap"])
+    # Its own stack's reference, else another stack's with that stack's wider bound.
+    why = canary.verdict(scored, config["min_agree"],
+                         upstream.get("max_logprob_gap", config["max_logprob_gap"]))
     evidence = {"agree": round(scored.agree, 4),
                 "gap": None if scored.gap == float("inf") else round(scored.gap, 4),
                 "matched": scored.matched, "total": scored.total,

@@ -112,7 +112,7 @@ def record(name: str, box: DonorBox, model: ServedModel, hostname: str,
         prompts.append({"prompt": prompt, "tokens": list(answer.tokens),
                         "logprobs": list(answer.logprobs)})
     return {"checkpoint": model.checkpoint, "revision": model.revision,
-            "stack": box.canary_stack, "built_by": name,
+            "stack": box.canary_stack(model.name), "built_by": name,
             "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "max_tokens": canary.MAX_TOKENS, "prompts": prompts}
 
@@ -147,8 +147,8 @@ def run(fleet: dict[str, DonorBox], limited: bool, timeout: float = 60) -> int:
                 failed.append(name)
                 continue
             path = reference_path(references_dir(box), model.checkpoint, model.revision,
-                                  box.canary_stack)
+                                  box.canary_stack(key))
             write(path, doc)
             print(f"reference: {path} ({model.checkpoint} at {model.revision[:12]}, "
-                  f"{box.canary_stack}, from {name})")
+                  f"{box.canary_stack(key)}, from {name})")
     return errors.FAILED if failed else errors.OK

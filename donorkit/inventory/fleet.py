@@ -216,7 +216,7 @@ def _edge_box(name: str, edge: schema.Edge, settings: schema.Defaults,
             upstreams.append(Upstream.model_construct(
                 donor=donor, address=f"{address}:{donors[donor].caddy_https_port}",
                 revision=donors[donor].models[pool.model].revision,
-                stack=donors[donor].canary_stack))
+                stack=donors[donor].canary_stack(pool.model)))
         sites.append(Site.model_construct(
             hostname=hostname, model=pool.model, checkpoint=pool.checkpoint, upstreams=upstreams,
             zone=hostname.replace(".", "_").replace("-", "_")))

@@ -10,6 +10,7 @@ tests/unit/test_fleet.py validates every box of the shipped and testbed inventor
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Tag
@@ -23,6 +24,9 @@ from donorkit.inventory.schema import (
     TunnelSettings,
 )
 from donorkit.inventory.values import Name, Strict
+
+# vllm serve flags whose values change the numbers a model answers with (the canary's stack).
+NUMERIC_FLAGS = ("--dtype", "--kv-cache-dtype", "--quantization")
 
 DERIVED = ConfigDict(defer_build=True)
 
@@ -247,12 +251,22 @@ class DonorBox(_Login, Settings):
     def cuda_engine(self) -> bool:
         return self.card.engine == "cuda"
 
-    @property
-    def canary_stack(self) -> str:
-        """The card stack a canary reference is recorded on (`donors reference`): the card
-        profile, its CUDA toolkit (or `cpu`) and the vLLM release, from the inventory alone."""
-        return f"{self.card.name}-{'cuda' + self.cuda_version if self.cuda_version else 'cpu'}" \
-               f"-vllm{self.vllm_version}"
+    def canary_stack(self, model: str) -> str:
+        """The stack a canary reference of `model` is recorded on and compared within (`donors
+        reference`): the card profile, its CUDA toolkit (or `cpu`), the vLLM release, and the
+        engine flags that change the numbers (docs/benchmarks.md: an fp8 KV cache is 15 times the
+        honest spread of one stack away from a float16 one), from the inventory alone."""
+        args = [*self.models[model].args, *map(str, self.card.vllm_args)]
+        numerics = []
+        for flag in NUMERIC_FLAGS:
+            for i, word in enumerate(args):
+                if word == flag and i + 1 < len(args):
+                    numerics.append(args[i + 1])
+                elif word.startswith(flag + "="):
+                    numerics.append(word.split("=", 1)[1])
+        engine = "cuda" + self.cuda_version if self.cuda_version else "cpu"
+        return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(
+            [self.card.name, engine, f"vllm{self.vllm_version}", *numerics]))
 
     @property
     def exllamav3_stamp(self) -> str:

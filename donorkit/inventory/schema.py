@@ -185,6 +185,7 @@ class CanarySettings(Strict):
     window: Annotated[int, Field(ge=1, le=1000)]      # rounds the pass rate is taken over
     min_agree: Annotated[float, Field(ge=0, le=1)]    # share of reference tokens that agree
     max_logprob_gap: Annotated[float, Field(ge=0, le=100)]  # mean |log-probability difference|
+    max_logprob_gap_other_stack: Annotated[float, Field(ge=0, le=100)]  # the same, vs another stack
     references_dir: LocalPath               # `donors reference` writes, the deploy ships
 
 

@@ -109,6 +109,17 @@ def member_reference(references: Path, checkpoint: str, revision: str | None,
     return load_reference(found[0], checkpoint, revision) if found else None
 
 
+def member(references: Path, knobs, checkpoint: str, upstream) -> dict:
+    """A pool member as the runner judges it: its reference and the gap it may be from it (its
+    own stack's bound, or the wider one when only another stack's reference exists)."""
+    reference = member_reference(references, checkpoint, upstream.revision, upstream.stack)
+    own = reference is not None and reference_path(
+        references, checkpoint, upstream.revision, upstream.stack).is_file()
+    return {"donor": upstream.donor, "address": upstream.address, "revision": upstream.revision,
+            "reference": reference, "max_logprob_gap": knobs.max_logprob_gap if own
+            else knobs.max_logprob_gap_other_stack}
+
+
 def canary_config(data: EdgeBox) -> dict:
     references = references_dir(data)
     knobs = data.canary
@@ -120,9 +131,8 @@ def canary_config(data: EdgeBox) -> dict:
         "pass_after": knobs.pass_after, "window": knobs.window, "min_agree": knobs.min_agree,
         "max_logprob_gap": knobs.max_logprob_gap,
         "sites": [{"hostname": site.hostname, "checkpoint": site.checkpoint, "upstreams": [
-            {"donor": u.donor, "address": u.address, "revision": u.revision,
-             "reference": member_reference(references, site.checkpoint, u.revision, u.stack)}
-            for u in site.upstreams]} for site in data.sites],
+            member(references, knobs, site.checkpoint, u) for u in site.upstreams]}
+            for site in data.sites],
     }
 
 

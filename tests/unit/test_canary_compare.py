@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from donorkit.inventory.fleet import load_inventory
+from donorkit.inventory.paths import REPO_ROOT
 from files import canary
 from files.canary import Answer, BadAnswer, parse_answer
 
@@ -191,8 +193,10 @@ def test_verdict_names_the_failing_measure() -> None:
 # restarts, load, another deploy, batch and prefix-cache settings); a wrong checkpoint of the same
 # shape agrees on all 48 too (this random checkpoint's greedy answer is its prompt's last byte
 # repeated, whatever its weights), so the gap tells them apart: 0.209 for another checkpoint.
-MIN_AGREE = 0.75
-MAX_GAP = 0.02
+# The thresholds the edges use (inventory/defaults.yml), not copies of them.
+KNOBS = load_inventory(REPO_ROOT / "inventory/donors.yml")[1]["edge-1"].canary
+MIN_AGREE, MAX_GAP = KNOBS.min_agree, KNOBS.max_logprob_gap
+OTHER_STACK_GAP = KNOBS.max_logprob_gap_other_stack
 # Revisions as close as 3% noise: measured, not caught (the canary's limit at this threshold).
 BELOW_RESOLUTION = {"noise-0.1pct-1", "noise-1pct-1", "noise-3pct-1"}
 
@@ -257,3 +261,14 @@ def test_an_fp8_kv_cache_is_another_stack_with_its_own_reference() -> None:
     result = canary.score(REFERENCE, fp8)
     assert result.agree == 1.0 and result.gap > MAX_GAP
     assert "apart on average" in canary.verdict(result, MIN_AGREE, MAX_GAP)
+
+
+def test_against_another_stacks_reference_the_wider_bound_tells_checkpoints_apart() -> None:
+    """A donor with only another stack's reference is held to max_logprob_gap_other_stack: the
+    fp8-cache donor passes it against the bfloat16-cache reference, another checkpoint (another
+    seed, another shape) does not."""
+    _, fp8 = RECORDINGS["kv-cache-fp8-1"]
+    assert canary.verdict(canary.score(REFERENCE, fp8), MIN_AGREE, OTHER_STACK_GAP) is None
+    for name in ("other-seed-1", "other-shape-1"):
+        result = canary.score(REFERENCE, RECORDINGS[name][1])
+        assert canary.verdict(result, MIN_AGREE, OTHER_STACK_GAP) is not None, (name, result)

@@ -28,6 +28,7 @@ from donorkit.render.canary_files import (
     CANARY_DROP_IN,
     CANARY_SERVICE,
     CANARY_TIMER,
+    canary_config,
     load_reference,
     member_reference,
     reference_path,
@@ -459,7 +460,7 @@ def test_a_wrong_donor_leaves_the_edge_and_comes_back_losing_no_request(
                 update={"references_dir": str(tmp_path / "references")})))
         assert reference.run({"tb-4090": a}, limited=True, timeout=30) == 0
         path = reference_path(tmp_path / "references", "turboderp/Qwen3.8-27B-exl3", revision,
-                              a.canary_stack)
+                              a.canary_stack("qwen"))
         ref = load_reference(path, "turboderp/Qwen3.8-27B-exl3", revision)
         assert json.loads(path.read_text())["built_by"] == "tb-4090"
         edge = edges["tb-edge"]
@@ -615,10 +616,39 @@ def test_deploy_refuses_a_broken_reference_in_one_line(tmp_path: Path) -> None:
     doc["overrides"]["canary"]["references_dir"] = str(tmp_path / "references")
     box = load_inventory(TESTBED)[0]["tb-4090"]
     path = reference_path(tmp_path / "references", box.models["qwen"].checkpoint,
-                          box.models["qwen"].revision, box.canary_stack)
+                          box.models["qwen"].revision, box.canary_stack("qwen"))
     path.parent.mkdir(parents=True)
     path.write_text('{"checkpoint": "someone/else"}')
     for name in ("exllamav3_wheel_cache", "engine_kernel_cache"):
         doc["overrides"][name] = str(tmp_path / name)
     said = one_line(donors_cli(tmp_path, doc, "deploy", "--dry", "--limit", "tb-edge"))
     assert f"{path}: field 'checkpoint'/'revision'" in said, said
+
+
+def test_a_member_is_held_to_its_own_stacks_bound_else_the_wider_one(tmp_path: Path) -> None:
+    """The edge's config gives each member the reference of its own stack and max_logprob_gap;
+    with only another stack's reference (tb-3090's, an fp8-cache 3090 for a 4090), the wider
+    max_logprob_gap_other_stack; with none, no reference (unjudged)."""
+    donors, edges = load_inventory(TESTBED)
+    edge = edges["tb-edge"].model_copy(update={"canary": edges["tb-edge"].canary.model_copy(
+        update={"references_dir": str(tmp_path)})})
+    site = edge.sites[0]
+    first = site.upstreams[0]
+    doc = {"checkpoint": site.checkpoint, "revision": first.revision, "max_tokens": 8,
+           "prompts": [{"prompt": "p", "tokens": ["a"], "logprobs": [-0.5]}]}
+
+    def members() -> list[dict]:
+        return canary_config(edge)["sites"][0]["upstreams"]
+
+    assert [m["reference"] for m in members()] == [None] * len(site.upstreams)
+    other = donors["tb-3090"].canary_stack("qwen")
+    assert other != first.stack
+    path = reference_path(tmp_path, site.checkpoint, first.revision, other)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**doc, "stack": other}))
+    assert {m["max_logprob_gap"] for m in members()} == {edge.canary.max_logprob_gap_other_stack}
+    reference_path(tmp_path, site.checkpoint, first.revision, first.stack).write_text(
+        json.dumps({**doc, "stack": first.stack}))
+    own = members()[0]
+    assert own["reference"]["stack"] == first.stack
+    assert own["max_logprob_gap"] == edge.canary.max_logprob_gap
