@@ -134,7 +134,7 @@ def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
     donors = load_inventory(DONORS)[0]
     box = donors[GOOD]
     path = reference_path(REPO_ROOT / KNOBS.references_dir, CHECKPOINT,
-                          box.models["qwen"].revision, box.canary_stack)
+                          box.models["qwen"].revision, box.canary_stack("qwen"))
     doc = json.loads(path.read_text())
     assert (doc["checkpoint"], doc["built_by"], doc["stack"]) == (CHECKPOINT, GOOD,
                                                                   "rtx4090-cuda13.3-vllm0.26.0")
