@@ -137,7 +137,8 @@ def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
                           box.models["qwen"].revision, box.canary_stack("qwen"))
     doc = json.loads(path.read_text())
     assert (doc["checkpoint"], doc["built_by"], doc["stack"]) == (CHECKPOINT, GOOD,
-                                                                  "rtx4090-cuda13.3-vllm0.26.0")
+                                                                  box.canary_stack("qwen"))
+    assert box.canary_stack("qwen") == "rtx4090-cuda13.3-vllm0.26.0-float16-fp8-exl3"
     assert len(doc["prompts"]) == 6 and all(p["tokens"] and len(p["tokens"]) == len(
         p["logprobs"]) for p in doc["prompts"])
     # The edge's deploy ships it: both members judged against it from the next round on.
@@ -150,7 +151,7 @@ def test_the_reference_is_recorded_on_the_trusted_builder_and_shipped(
                for u in site["upstreams"])
     took = wait_for(hosts, {GOOD: "in", SECOND: "in"}, 3 * (INTERVAL + ROUND) + 10)
     state = edge_state(hosts)
-    assert all(state[d]["reference"] == "rtx4090-cuda13.3-vllm0.26.0" for d in (GOOD, SECOND))
+    assert all(state[d]["reference"] == box.canary_stack("qwen") for d in (GOOD, SECOND))
     print(f"both donors judged 'in' {took:.1f} s after the edge's deploy")
     # A second edge deploy changes nothing (the reference file is the same).
     rc, report, log, _ = deploy("--limit", EDGE)
