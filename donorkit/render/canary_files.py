@@ -151,7 +151,9 @@ def render_canary(data: EdgeBox) -> list[RenderedFile]:
                    for u in s["upstreams"] if u["reference"]] or [6])
     # A round asks each member each prompt, one at a time, each within `timeout`.
     round_s = math.ceil(members * prompts * config["timeout"]) + 120
-    values = dict(python=SYSTEM_PYTHON, runner=runner, config=CANARY_CONFIG,
+    # The runner's two commands as words: the template quotes them (systemd_command).
+    command = [SYSTEM_PYTHON, "-I", "-S", runner]
+    values = dict(run=[*command, "run", CANARY_CONFIG], apply=[*command, "apply", CANARY_CONFIG],
                   state_dir=CANARY_STATE_DIR, interval=systemd_time(data.canary.interval),
                   round_s=round_s, service=CANARY_SERVICE, edge_name=data.edge_name)
     env = jinja_environment()
