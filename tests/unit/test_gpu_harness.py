@@ -117,7 +117,7 @@ def stage_chunks(tmp_path: Path) -> Path:
 
 
 def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> None:
-    """receive, launch, the daemon's every run (prebuild, cold, warm, no-autotune; the engines
+    """receive, launch, the daemon's every run (prebuild, cold, warm, warm-no-autotune; the engines
     exit at once, so the fallback checkpoint's cold run follows), follow and table, under
     `python -I` with the blocker: the toolkit step's import chain (tests/support/cuda_standin ->
     common) once reached pydantic there, and nothing host-free saw it."""
@@ -130,7 +130,9 @@ def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> Non
     assert results["prebuild"]["command"][1].endswith("/bin/prebuild_kernels.py")
     runs = [(r["run"], r["snapshot"].split("@")[0]) for r in results["runs"]]
     assert runs == [("cold", "qwen"), ("cold", "qwen-next"), ("warm", "qwen-next"),
-                    ("no-autotune", "qwen-next")]
+                    ("warm-no-autotune", "qwen-next")]
     assert results["runs"][-1]["exec_start"][-1] == "--no-enable-flashinfer-autotune"
+    emptied = [r["run"] for r in results["runs"] if any("empty caches" in n for n in r["notes"])]
+    assert emptied == ["cold", "cold"]  # the restarts, with and without the autotuner, keep them
     assert all("--quantization" not in r["exec_start"] for r in results["runs"])
     assert (work / "out/results.json").exists() and (work / "engine/results/table.md").exists()
