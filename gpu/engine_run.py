@@ -44,7 +44,8 @@ Steps 1-3 and the shipped-kernels box are gpu/engine_box.py.
    ("stored deps info out of date"; ninja's graph.cc).
    Per run: start to ready (/v1/models lists the checkpoint), peak GPU memory, peak host memory,
    /version, a chat completion, 12 concurrent 256-token completions, /metrics names, the hermes
-   tool call (auto and forced), and on warm runs `make accept`'s engine checks (--via loopback).
+   tool call (auto and forced), and once (the first engine ready) `make accept`'s checks (--via
+   loopback).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def engine(name: str, kind: str, venv: Path, home: Path, user: str, argv: list[s
             if name == "qwen":
                 result["prefix_cache"] = prefix_cache(base, checkpoint)
                 say(f"{name} {kind}: prefix cache {json.dumps(result['prefix_cache'])[:400]}")
-            if kind == "warm":
+            if not (RESULTS / "accept").exists():  # once, on the first engine ready and warmed
                 result["accept"] = accept(venv, name, port)
                 say(f"{name} {kind}: accept rc={result['accept']['rc']}")
         if proc.poll() is None:
