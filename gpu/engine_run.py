@@ -233,7 +233,7 @@ WARM = ("warm", "warm-no-autotune")  # restarts: every cache kept
 NO_AUTOTUNE = "--no-enable-flashinfer-autotune"  # sm_90+ only: FlashInfer's autotuner
 
 
-def daemon(runs: list[str]) -> None:
+def daemon(runs: list[str], model: str = "qwen") -> None:
     results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": []}
 
     def save() -> None:
@@ -263,7 +263,7 @@ def daemon(runs: list[str]) -> None:
     save()
 
     qwen_folder = STAGE / "models/qwen"
-    plan = [("qwen", kind) for kind in runs]
+    plan = [(model, kind) for kind in runs]
     prebuilt = False
     for name, kind in plan:
         _, env, argv = units[name]
@@ -338,7 +338,7 @@ def receive() -> None:
     print("chunks here:", sorted(p.name for p in CHUNKS.iterdir()))
 
 
-def launch(runs: list[str]) -> None:
+def launch(runs: list[str], model: str = "qwen") -> None:
     count, digest = (CHUNKS / "manifest").read_text().split()
     parts = sorted(p for p in CHUNKS.iterdir() if p.name.isdigit())
     if len(parts) != int(count):
@@ -365,7 +365,7 @@ def launch(runs: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "daemon.log").open("w") as log:
         subprocess.Popen([sys.executable, "-m", "gpu.engine_run", "daemon", "--runs",
-                          ",".join(runs)], cwd=REPO,
+                          ",".join(runs), "--model", model], cwd=REPO,
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     print("launched", flush=True)
 
@@ -391,9 +391,9 @@ def follow(max_seconds: float) -> None:
         shutil.make_archive(str(out / "accept"), "gztar", RESULTS / "accept")
 
 
-def daemon_or_say(runs: list[str]) -> None:
+def daemon_or_say(runs: list[str], model: str) -> None:
     try:
-        daemon(runs)
+        daemon(runs, model)
     except Exception as exc:  # the follower must see it, not wait on a dead daemon
         say(f"FAILED: {type(exc).__name__}: {exc}")
         raise
@@ -413,13 +413,16 @@ def main() -> None:
     parser.add_argument("step", choices=["receive", "launch", "follow", "daemon", "table"])
     parser.add_argument("--max", type=float, default=540, help="follow: seconds at most")
     parser.add_argument("--runs", type=runs_list, default=DEFAULT_RUNS, help=(
-        "launch: the qwen runs, in order, a comma list of " + ", ".join(RUNS) +
+        "launch: the model's runs, in order, a comma list of " + ", ".join(RUNS) +
         f" (default: {','.join(DEFAULT_RUNS)}); the shipped ones need a cold run first"))
+    parser.add_argument("--model", choices=sorted(UNITS), default="qwen", help=(
+        "launch: whose unit the runs start (default qwen; hermes: the sixth run's, when the "
+        "device time left was under a qwen cold start and its warm-up)"))
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="table: a results folder (results.json and the engines' logs)")
     args = parser.parse_args()
-    {"receive": receive, "launch": lambda: launch(args.runs),
-     "daemon": lambda: daemon_or_say(args.runs),
+    {"receive": receive, "launch": lambda: launch(args.runs, args.model),
+     "daemon": lambda: daemon_or_say(args.runs, args.model),
      "table": lambda: table(args.results),
      "follow": lambda: follow(args.max)}[args.step]()
 
