@@ -32,27 +32,9 @@ def install(venv: Path) -> dict:
                           check=True).stdout.strip()
     Path(site, "image-site.pth").write_text(image_site + "\n")
     table = json.loads((STAGE / "requirements.json").read_text())["carried"]
-    # A carried wheel goes in where the image lacks it, or where a distribution that will be the
-    # carried version (vllm, ninja, or one going in) asks for another version than the image's;
-    # until nothing changes. A requirement of a carried version the image's copy stays in place
-    # of does not count: on 2026-12-03 the set's transformers 5.25 asked for huggingface-hub
-    # 2.4, the image's transformers 5.17 (kept) refuses it, and every engine exited at import.
-    check = (
-        "import json, sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
-        "from packaging.specifiers import SpecifierSet\n"
-        "table = json.load(open(sys.argv[1]))['carried']\n"
-        "def have(name):\n    try:\n        return version(name)\n"
-        "    except PackageNotFoundError:\n        return None\n"
-        "need = {n for n in table if have(n) is None} | {'vllm', 'ninja'}\n"
-        "while True:\n"
-        "    more = {n for n, e in table.items() if n not in need and not all(\n"
-        "        have(n) in SpecifierSet(s, prereleases=True)\n"
-        "        for by, s in zip(e['required_by'], e['specifiers']) if by in need)}\n"
-        "    if not more:\n        break\n    need |= more\n"
-        "print(json.dumps(sorted([n, have(n)] for n in need if n in table)))\n")
-    need = json.loads(subprocess.run([venv / "bin/python", "-c", check,
-                                      STAGE / "requirements.json"], capture_output=True,
-                                     text=True, check=True).stdout)
+    need = json.loads(subprocess.run([venv / "bin/python", Path(__file__).with_name(
+        "carried_set.py"), STAGE / "requirements.json"], capture_output=True, text=True,
+        check=True).stdout)
     wheels = [str(STAGE / "wheels" / table[name]["wheel"]) for name, _ in need]
     # --ignore-installed: ninja and vllm go into the venv even where the image has them.
     subprocess.run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",

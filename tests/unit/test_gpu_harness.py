@@ -18,7 +18,7 @@ import yaml
 from donorkit.inventory.fleet import load_fleet
 from donorkit.inventory.paths import REPO_ROOT
 from donorkit.render.templates import exec_start, render_unit, unit_environment
-from gpu import engine_results, engine_run
+from gpu import carried_set, engine_results, engine_run
 
 ENGINE_DONORS = REPO_ROOT / "gpu/engine.yml"
 
@@ -136,3 +136,36 @@ def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> Non
     assert emptied == ["cold", "cold"]  # the restarts, with and without the autotuner, keep them
     assert all("--quantization" not in r["exec_start"] for r in results["runs"])
     assert (work / "out/results.json").exists() and (work / "engine/results/table.md").exists()
+
+
+# ------------------------------------------------------------------ what goes into the venv ------
+
+def test_a_carried_version_that_stays_out_asks_for_nothing() -> None:
+    """The 2026-12-03 evening run: the carried set's transformers 5.25 asked for huggingface-hub
+    >= 2.4; the image's transformers 5.17 stays (inside vLLM's >= 4.56), so its hub stays too:
+    installing hub 2.4 had broken the image's transformers at import, and every engine."""
+    table = {
+        "vllm": {"required_by": [], "specifiers": []},
+        "ninja": {"required_by": [], "specifiers": []},
+        "transformers": {"required_by": ["vllm"], "specifiers": [">=4.56"]},
+        "huggingface-hub": {"required_by": ["tokenizers", "transformers"],
+                            "specifiers": ["<3.0,>=0.16.4", "<3.0,>=2.4.0"]},
+        "tokenizers": {"required_by": ["vllm"], "specifiers": [">=0.21"]},
+        "blake3": {"required_by": ["vllm"], "specifiers": [">=1"]},
+    }
+    image = {"transformers": "5.17.0", "huggingface-hub": "1.9.0", "tokenizers": "0.22.1"}
+    assert carried_set.to_install(table, image.get) == ["blake3", "ninja", "vllm"]
+
+
+def test_a_carried_version_that_goes_in_pulls_what_it_asks_for() -> None:
+    """Until nothing changes: vllm asks for a newer transformers, which goes in, and its hub
+    requirement then counts."""
+    table = {
+        "vllm": {"required_by": [], "specifiers": []},
+        "transformers": {"required_by": ["vllm"], "specifiers": [">=5.20"]},
+        "huggingface-hub": {"required_by": ["transformers"], "specifiers": ["<3.0,>=2.4.0"]},
+        "tokenizers": {"required_by": ["transformers"], "specifiers": [">=0.22"]},
+    }
+    image = {"transformers": "5.17.0", "huggingface-hub": "1.9.0", "tokenizers": "0.22.1"}
+    assert carried_set.to_install(table, image.get) == ["huggingface-hub", "transformers",
+                                                         "vllm"]
