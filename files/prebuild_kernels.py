@@ -73,6 +73,31 @@ def specs(head: int, q: str, kv: str, arch: str) -> list:
     return out
 
 
+def build_like_the_engine(spec) -> str:
+    """One module built in its own folder, as the engine builds it when it loads it
+    (JitSpec.build: `ninja -C cached_ops/NAME`), so ninja's log lies where the engine's ninja
+    reads it and the engine finds nothing to do. FlashInfer's build_jit_specs (one ninja over
+    subninjas, which this used until 0.19.1) keeps its log in cached_ops/ alone; the engine's
+    ninja then finds no log in the module's folder and rebuilds every object ("command line
+    not found in log", ninja's graph.cc): the hermes unit's cold start on the H200 on
+    2026-12-03 spent 420 s of FlashInfer's autotune step rebuilding the prebuilt FA3 module
+    with the unit's MAX_JOBS=2 (gpu/results/h200-engine-2026-12-03-evening/). Modules one
+    after another, MAX_JOBS each: the jobs stay what the box's memory allows. Returns "built",
+    or "up to date" where ninja had nothing to do (the library's file unchanged)."""
+    library = spec.jit_library_path
+
+    def stamp() -> tuple[int, int] | None:
+        try:
+            found = library.stat()
+        except FileNotFoundError:
+            return None
+        return (found.st_ino, found.st_mtime_ns)
+
+    before = stamp()
+    spec.build(verbose=False)
+    return "up to date" if before is not None and stamp() == before else "built"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
@@ -103,19 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                           f"({exc.name}): nothing to build"}), flush=True)
         return 0
     report = {"jobs": n, "head_dim": head, "q": q, "kv": kv, "arch": args.arch,
-              "modules": {s.name: ("there" if s.is_aot or s.is_compiled else "to build")
-                          for s in wanted}}
+              "modules": {s.name: ("shipped" if s.is_aot else "to build") for s in wanted}}
     if not args.dry_run:
-        from flashinfer.jit.core import build_jit_specs
-
-        todo = [s for s in wanted if not (s.is_aot or s.is_compiled)]
-        try:
-            build_jit_specs(todo, verbose=False, skip_prebuilt=True)
-        except Exception as exc:  # ninja's failure: one line, the module names
-            print(f"prebuild_kernels: building {', '.join(s.name for s in todo)} failed: "
-                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}", file=sys.stderr)
-            return 1
-        report["modules"] = {s.name: ("built" if s in todo else "there") for s in wanted}
+        for spec in wanted:
+            if spec.is_aot:  # the deploy's shipped kernels (flashinfer/data/aot): no ninja runs
+                continue
+            try:
+                report["modules"][spec.name] = build_like_the_engine(spec)
+            except Exception as exc:  # ninja's failure: one line, the module's name
+                print(f"prebuild_kernels: building {spec.name} failed: {type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1:]}", file=sys.stderr)
+                return 1
     report["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(report), flush=True)
     return 0
