@@ -2,8 +2,9 @@
 donorkit/box/prebuild.py's operation): the script's own reading of the model and of the box's
 memory, and the operation's command run for real in a shell as the service user, once per stack.
 What the build itself does with the real FlashInfer was measured on the GPU machine (docs/gpu.md,
-gpu/results/h200-engine-2026-12-03-qwen35: four modules in 115 s, the engine then
-built none)."""
+gpu/results/h200-engine-2026-12-03-qwen35: four modules in 115 s); where ninja keeps its log, so
+that the engine's own build finds nothing to do, is checked here with the real ninja (the sixth
+GPU run showed the engine rebuilding modules a one-ninja prebuild had built)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,82 @@ def test_a_venv_without_flashinfer_builds_nothing_and_says_so(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["modules"] == {} and "no FlashInfer in this venv" in report["skipped"]
+
+
+# ------------------------------------------------------------------ where ninja keeps its log ---
+
+class JitSpec:
+    """TEST DOUBLE of FlashInfer 0.6.14's JitSpec (flashinfer/jit/core.py), only what the
+    prebuild and the engine use, with their ninja calls as FlashInfer makes them (cpp_ext.py's
+    run_ninja: `ninja -v -C WORKDIR -f FILE [-j MAX_JOBS]`), compiling a C file with gcc instead
+    of CUDA with nvcc. `build()` is what the engine runs on every load (build_and_load):
+    ninja in the module's own folder, cached_ops/NAME."""
+
+    def __init__(self, jit_dir: Path, name: str) -> None:
+        self.name, self.jit_dir = name, jit_dir
+        self.build_dir = jit_dir / name
+        self.ninja_path = self.build_dir / "build.ninja"
+        self.jit_library_path = self.build_dir / f"{name}.so"
+
+    def write_ninja(self) -> None:
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        source = self.build_dir / "kernel.c"
+        if not source.exists():
+            source.write_text("int kernel(void) { return 1; }\n")
+        obj, lib = self.build_dir / "kernel.o", self.jit_library_path
+        self.ninja_path.write_text(
+            "ninja_required_version = 1.3\n"
+            "rule cc\n  command = gcc -fPIC -c $in -o $out\n"
+            "rule link\n  command = gcc -shared $in -o $out\n"
+            f"build {obj}: cc {source}\nbuild {lib}: link {obj}\ndefault {lib}\n")
+
+    def build(self, verbose: bool) -> None:
+        self.write_ninja()
+        run_ninja(self.build_dir, self.ninja_path)
+
+
+def run_ninja(workdir: Path, ninja_file: Path) -> str:
+    return subprocess.run([NINJA, "-v", "-C", str(workdir), "-f", str(ninja_file), "-j", "2"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def build_jit_specs(specs: list[JitSpec]) -> None:
+    """FlashInfer 0.6.14's build_jit_specs (jit/core.py), which the prebuild used until 0.19.1:
+    one ninja over the modules' files as subninjas, run in cached_ops/."""
+    for one in specs:
+        one.write_ninja()
+    top = specs[0].jit_dir / "tmp/flashinfer_jit.ninja"
+    top.parent.mkdir(parents=True, exist_ok=True)
+    top.write_text("ninja_required_version = 1.3\n" +
+                   "".join(f"subninja {one.ninja_path}\n" for one in specs))
+    run_ninja(specs[0].jit_dir, top)
+
+
+NINJA = str(Path(sys.executable).with_name("ninja"))
+
+
+def engines_ninja_would_run(spec: JitSpec) -> str:
+    """What ninja would do when the engine loads the module (`-n`: nothing run), with its reason."""
+    done = subprocess.run([NINJA, "-n", "-d", "explain", "-C", str(spec.build_dir), "-f",
+                           str(spec.ninja_path)], capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr  # ninja explains on stderr
+
+
+def test_the_prebuild_leaves_each_module_as_the_engine_finds_nothing_to_do(
+        tmp_path: Path) -> None:
+    sampling = JitSpec(tmp_path / "cached_ops", "sampling")
+    assert prebuild_script.build_like_the_engine(sampling) == "built"
+    assert (sampling.build_dir / ".ninja_log").exists()
+    assert "no work to do" in engines_ninja_would_run(sampling)
+    assert prebuild_script.build_like_the_engine(sampling) == "up to date"
+
+
+def test_the_one_ninja_way_made_the_engine_build_again(tmp_path: Path) -> None:
+    """The negative: FlashInfer's build_jit_specs leaves no log in the module's folder, and the
+    engine's ninja then rebuilds every object (on the H200: 420 s, inside the unit)."""
+    sampling = JitSpec(tmp_path / "cached_ops", "sampling")
+    build_jit_specs([sampling])
+    assert sampling.jit_library_path.exists()
+    explained = engines_ninja_would_run(sampling)
+    assert "command line not found in log" in explained
+    assert "no work to do" not in explained
