@@ -75,11 +75,12 @@ def specs(head: int, q: str, kv: str, arch: str) -> list:
 
 def build_like_the_engine(spec) -> str:
     """One module built in its own folder, as the engine builds it when it loads it
-    (JitSpec.build: `ninja -C cached_ops/NAME`), so ninja's log lies where the engine's ninja
-    reads it and the engine finds nothing to do. FlashInfer's build_jit_specs (one ninja over
-    subninjas, which this used until 0.19.1) keeps its log in cached_ops/ alone; the engine's
-    ninja then finds no log in the module's folder and rebuilds every object ("command line
-    not found in log", ninja's graph.cc): the hermes unit's cold start on the H200 on
+    (JitSpec.build: `ninja -C cached_ops/NAME`), so ninja's state (.ninja_deps, .ninja_log)
+    lies where the engine's ninja reads it and the engine finds nothing to do. FlashInfer's
+    build_jit_specs (one ninja over subninjas, which this used until 0.19.1) keeps that state in
+    cached_ops/ alone; the engine's ninja then finds none in the module's folder and rebuilds
+    every object ("deps for ... are missing": gpu/prebuild_ninja_check.py, with FlashInfer's own
+    build files, ninja 1.13.2 and nvcc 13.3): the hermes unit's cold start on the H200 on
     2026-12-03 spent 420 s of FlashInfer's autotune step rebuilding the prebuilt FA3 module
     with the unit's MAX_JOBS=2 (gpu/results/h200-engine-2026-12-03-evening/). Modules one
     after another, MAX_JOBS each: the jobs stay what the box's memory allows. Returns "built",
