@@ -119,10 +119,12 @@ def wipe_caches(home: Path, keep_flashinfer: bool = False) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def jit_modules(home: Path) -> list[str]:
-    """FlashInfer's JIT kernels in the home (cached_ops/NAME/NAME.so)."""
-    return sorted(p.parent.name for p in (home / ".cache/flashinfer").glob(
-        "*/*/cached_ops/*/*.so"))
+def jit_modules(home: Path) -> dict[str, int]:
+    """FlashInfer's JIT kernels in the home (cached_ops/NAME/NAME.so), each with its library's
+    mtime: a module the engine rebuilds in place keeps its name (the sixth run's lesson: the
+    fifth counted names only and missed the engine rebuilding every prebuilt module)."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in sorted(
+        (home / ".cache/flashinfer").glob("*/*/cached_ops/*/*.so"))}
 
 
 def prebuild(venv: Path, home: Path, user: str, env: dict[str, str], argv: list[str],
@@ -157,7 +159,7 @@ def prebuild(venv: Path, home: Path, user: str, env: dict[str, str], argv: list[
     return {"rc": proc.returncode, "seconds": round(time.monotonic() - started, 1),
             "peak_host_gib": round(monitor.rss / 2**30, 2), "command": cmd,
             "report": out.strip()[-1500:], "stderr": err.strip()[-1500:],
-            "modules_in_home": jit_modules(home)}
+            "modules_in_home": sorted(jit_modules(home))}
 
 
 def keep_caches(home: Path) -> dict:

@@ -311,7 +311,9 @@ def daemon(runs: list[str], model: str = "qwen") -> None:
         run.update(notes=notes, snapshot=f"{folder.name}@{commit[:12]}",
                    environment=env, exec_start=argv,
                    jit_kernels_built_in_home=len(after),
-                   jit_kernels_the_engine_built=sorted(set(after) - set(before)))
+                   jit_kernels_the_engine_built=sorted(set(after) - set(before)),
+                   jit_kernels_the_engine_rebuilt=sorted(
+                       name for name in set(after) & set(before) if after[name] != before[name]))
         results["runs"].append(run)
         if (name, kind) == ("qwen", "cold") and run["outcome"] == "ready":
             run["caches_kept"] = keep_caches(home)

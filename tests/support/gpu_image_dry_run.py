@@ -7,7 +7,8 @@ archive's chunks, made by the test).
 
 TEST DOUBLES for the machine itself, which cannot exist here: the subprocess layer (nvidia-smi,
 ldconfig, the venv's python and pip, runuser, chown, the engine and the prebuild, which exit at
-once), the service user (this process's own), and its paths (/opt/uncloseai and
+once; the prebuild leaves one FlashInfer module, which the engine rebuilds in place), the
+service user (this process's ids, its home under WORK), and its paths (/opt/uncloseai and
 /usr/local/cuda-13.3 are moved under WORK). Everything else is the harness's own code.
 """
 
@@ -46,6 +47,20 @@ class Done:
         self.stdout, self.stderr, self.returncode = stdout, "", returncode
 
 
+class Finished:
+    """A process that ran and exited 0 (the prebuild)."""
+    pid, returncode = 2**22 - 2, 0
+
+    def poll(self):
+        return 0
+
+    def wait(self, timeout=None):
+        return 0
+
+    def communicate(self, timeout=None):
+        return ('{"jobs": 1, "modules": {"sampling": "built"}}', "")
+
+
 class Machine:
     """TEST DOUBLE of the GPU machine's processes: canned answers, every call recorded."""
 
@@ -78,7 +93,18 @@ class Machine:
         return Done()
 
     def popen(self, cmd, **kw):
-        self.calls.append([str(c) for c in cmd])
+        words = [str(c) for c in cmd]
+        self.calls.append(words)
+        # One FlashInfer module: the prebuild builds it; the engine, started after it, rebuilds
+        # it in place (what the H200 showed on 2026-12-03), which the daemon must report.
+        module = self.work / "home/.cache/flashinfer/0.6.14/90a/cached_ops/sampling/sampling.so"
+        if words[1].endswith("/bin/prebuild_kernels.py"):
+            module.parent.mkdir(parents=True, exist_ok=True)
+            module.write_bytes(b"built by the prebuild")
+            os.utime(module, ns=(10**18, 10**18))
+            return Finished()
+        if "serve" in words and module.exists() and module.read_bytes().endswith(b"prebuild"):
+            module.write_bytes(b"built again by the engine")  # once: its state is there then
 
         class Exited:
             pid, returncode = 2**22 - 1, 1
@@ -104,7 +130,14 @@ def main(work: Path) -> None:
     for module in (engine_run, engine_box, engine_checks):
         module.subprocess = fake
     me = pwd.getpwuid(os.getuid())
-    engine_run.pwd = engine_box.pwd = types.SimpleNamespace(getpwnam=lambda name: me)
+    # The service user: this process's own ids, but a home under WORK. The daemon empties the
+    # home's JIT caches (everything in ~/.cache but huggingface): with this process's own home
+    # each `make test` emptied the developer's ~/.cache (pip's, uv's) until 2026-12-03.
+    home = work / "home"
+    home.mkdir(exist_ok=True)
+    user = types.SimpleNamespace(pw_name=me.pw_name, pw_uid=me.pw_uid, pw_gid=me.pw_gid,
+                                 pw_dir=str(home), pw_shell=me.pw_shell)
+    engine_run.pwd = engine_box.pwd = types.SimpleNamespace(getpwnam=lambda name: user)
     engine_run.os = types.SimpleNamespace(**{**vars(os), "killpg": lambda *a: None,
                                              "getgrouplist": lambda *a: [me.pw_gid]})
     engine_run.time = types.SimpleNamespace(monotonic=engine_run.time.monotonic,

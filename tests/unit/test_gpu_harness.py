@@ -134,6 +134,12 @@ def test_every_step_runs_with_only_what_the_gpu_image_has(tmp_path: Path) -> Non
     assert results["runs"][-1]["exec_start"][-1] == "--no-enable-flashinfer-autotune"
     emptied = [r["run"] for r in results["runs"] if any("empty caches" in n for n in r["notes"])]
     assert emptied == ["cold", "cold"]  # the restarts, with and without the autotuner, keep them
+    # The prebuilt module kept its name when the first engine rebuilt it: the daemon says so.
+    assert [r["jit_kernels_the_engine_rebuilt"] for r in results["runs"]] == [
+        ["sampling"], [], [], []]
+    assert all(r["jit_kernels_the_engine_built"] == [] for r in results["runs"])
+    # The service user's home, whose caches the daemon empties, is under WORK, not this user's.
+    assert results["prebuild"]["command"][3].startswith(str(work / "home") + "/")
     assert all("--quantization" not in r["exec_start"] for r in results["runs"])
     assert (work / "out/results.json").exists() and (work / "engine/results/table.md").exists()
 
