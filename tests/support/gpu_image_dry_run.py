@@ -47,18 +47,20 @@ class Done:
         self.stdout, self.stderr, self.returncode = stdout, "", returncode
 
 
-class Finished:
-    """A process that ran and exited 0 (the prebuild)."""
-    pid, returncode = 2**22 - 2, 0
+class Exited:
+    """A process that has run: the prebuild (exit 0), an engine (exit 1 at once)."""
+
+    def __init__(self, returncode: int, stdout: str) -> None:
+        self.pid, self.returncode, self.stdout = 2**22 - 1, returncode, stdout
 
     def poll(self):
-        return 0
+        return self.returncode
 
     def wait(self, timeout=None):
-        return 0
+        return self.returncode
 
     def communicate(self, timeout=None):
-        return ('{"jobs": 1, "modules": {"sampling": "built"}}', "")
+        return self.stdout, ""
 
 
 class Machine:
@@ -102,23 +104,10 @@ class Machine:
             module.parent.mkdir(parents=True, exist_ok=True)
             module.write_bytes(b"built by the prebuild")
             os.utime(module, ns=(10**18, 10**18))
-            return Finished()
+            return Exited(0, '{"jobs": 1, "modules": {"sampling": "built"}}')
         if "serve" in words and module.exists() and module.read_bytes().endswith(b"prebuild"):
             module.write_bytes(b"built again by the engine")  # once: its state is there then
-
-        class Exited:
-            pid, returncode = 2**22 - 1, 1
-
-            def poll(self):
-                return 1
-
-            def wait(self, timeout=None):
-                return 1
-
-            def communicate(self, timeout=None):
-                return ('{"jobs": 1}', "")
-
-        return Exited()
+        return Exited(1, '{"jobs": 1}')
 
 
 def main(work: Path) -> None:
