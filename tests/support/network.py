@@ -81,16 +81,9 @@ def home_net_up(host: str, router_ip: str) -> tuple[str, str]:
     192.168.77.2 and a default route via the router, nothing else. Nothing on the test network
     (this machine and the edge included) has a route to the box: it only dials out.
     Returns (the box's namespace, its address)."""
-    ns, router, veth = netns_name(host), router_netns(host), veth_name(router_ip)
-    home = f"{HOME_SUBNET_PREFIX}.2"
-    run(["ip", "netns", "add", router])
+    ns, home = netns_name(host), f"{HOME_SUBNET_PREFIX}.2"
+    router = host_net_up(f"{host}-r", router_ip)  # the router: a host on the bridge (router_netns)
     run(["ip", "netns", "add", ns])
-    run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", router])
-    run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-    run(["ip", "-n", router, "link", "set", "lo", "up"])
-    run(["ip", "-n", router, "addr", "add", f"{router_ip}/24", "dev", "eth0"])
-    run(["ip", "-n", router, "link", "set", "eth0", "up"])
-    run(["ip", "-n", router, "route", "add", "default", "via", GATEWAY])
     run(["ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0",
          "netns", ns])
     run(["ip", "-n", router, "addr", "add", f"{HOME_SUBNET_PREFIX}.1/24", "dev", "lan0"])
