@@ -171,6 +171,10 @@ def test_accept_record(box: Host, tmp_path: Path) -> None:
     assert record.policy.compare_figures is False and record.policy.tool_calls_required is False
     assert "figures not compared" in record.policy.reason
     assert res.checks["models"].ok and res.checks["version"].ok
+    # Issue 32, hole 6 against a real vLLM: the tokens counted from the stream's token ids are
+    # what the engine's own usage says (2026-12-03: 193 and 193).
+    usage = res.checks["usage"]
+    assert usage.ok and usage.received_tokens == usage.claimed_completion_tokens > 0, usage
     assert res.checks["tool_call_parser"].ok, json.dumps(res.model_dump(), indent=1)[:3000]
     fidelity = res.checks["tool_call_fidelity"]
     assert fidelity.required is False
